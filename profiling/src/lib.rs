@@ -1,0 +1,1 @@
+//! Profiling routes.

@@ -1,0 +1,1 @@
+//! TODO: see the issue that builds this module.

@@ -1,0 +1,103 @@
+//! The persistent state of one timeline (what the control file holds) and its membership
+//! configuration. Pure data: storage lives in [`crate::storage`].
+
+use crate::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TimelineId};
+
+/// One member of a safekeeper set.
+#[derive(Clone, PartialEq, Eq, Debug, serde::Serialize)]
+pub struct SafekeeperId {
+    pub id: NodeId,
+    pub host: String,
+    pub pg_port: u16,
+}
+
+/// Membership configuration of a timeline.
+///
+/// Invariant: a non-zero `generation` has at least one member; member ids are unique.
+#[derive(Clone, Default, PartialEq, Eq, Debug, serde::Serialize)]
+pub struct Configuration {
+    pub generation: Generation,
+    pub members: Vec<SafekeeperId>,
+    /// Set during a joint-consensus change.
+    pub new_members: Option<Vec<SafekeeperId>>,
+}
+
+impl Configuration {
+    /// Whether `id` is a member (of either half of a joint configuration).
+    pub fn contains(&self, id: NodeId) -> bool {
+        self.members.iter().any(|m| m.id == id)
+            || self
+                .new_members
+                .as_ref()
+                .is_some_and(|nm| nm.iter().any(|m| m.id == id))
+    }
+}
+
+/// The acceptor's durable consensus state.
+#[derive(Clone, Default, PartialEq, Eq, Debug, serde::Serialize)]
+pub struct AcceptorState {
+    /// Highest term this acceptor has voted in or seen. Only grows.
+    pub term: Term,
+    /// Which term wrote which part of the WAL this acceptor holds (may extend past its flush
+    /// LSN; readers use `TermHistory::up_to(flush_lsn)`).
+    pub term_history: TermHistory,
+}
+
+/// What the proposer's PostgreSQL server looks like.
+#[derive(Clone, Default, PartialEq, Eq, Debug, serde::Serialize)]
+pub struct ServerInfo {
+    /// Full version number, e.g. 150018; 0 = unknown.
+    pub pg_version: u32,
+    /// PostgreSQL system identifier; 0 = unknown.
+    pub system_id: u64,
+    /// WAL segment size in bytes: a power of two in 1 MiB..=1 GiB.
+    pub wal_seg_size: u32,
+}
+
+/// Everything about a timeline that must survive a restart (the control file's body).
+#[derive(Clone, PartialEq, Eq, Debug, serde::Serialize)]
+pub struct TimelinePersistentState {
+    pub tenant_id: TenantId,
+    pub timeline_id: TimelineId,
+    pub mconf: Configuration,
+    pub acceptor_state: AcceptorState,
+    pub server: ServerInfo,
+    /// Where the timeline's WAL begins (globally).
+    pub timeline_start_lsn: Lsn,
+    /// Where this safekeeper's WAL begins.
+    pub local_start_lsn: Lsn,
+    /// Committed and locally available. Invariant: commit_lsn <= the WAL end found at start-up.
+    pub commit_lsn: Lsn,
+    /// Oldest WAL a peer may still need (the proposer's truncate_lsn).
+    pub peer_horizon_lsn: Lsn,
+    /// WAL before this is consumed downstream and may be removed.
+    pub remote_consistent_lsn: Lsn,
+    /// Creation time, seconds since the Unix epoch (set by whoever creates the timeline; the
+    /// consensus core never reads the clock).
+    pub creation_ts: u64,
+}
+
+impl TimelinePersistentState {
+    /// The state of a freshly created, empty timeline.
+    pub fn new(
+        tenant_id: TenantId,
+        timeline_id: TimelineId,
+        mconf: Configuration,
+        server: ServerInfo,
+        creation_ts: u64,
+    ) -> TimelinePersistentState {
+        TimelinePersistentState {
+            tenant_id,
+            timeline_id,
+            mconf,
+            acceptor_state: AcceptorState::default(),
+            server,
+            timeline_start_lsn: Lsn::INVALID,
+            local_start_lsn: Lsn::INVALID,
+            commit_lsn: Lsn::INVALID,
+            peer_horizon_lsn: Lsn::INVALID,
+            remote_consistent_lsn: Lsn::INVALID,
+            creation_ts,
+        }
+    }
+}

@@ -1,0 +1,450 @@
+//! Protocol quantities as newtypes: [`Lsn`], [`Term`], [`Generation`], [`NodeId`], the 16-byte
+//! tenant and timeline ids, and [`TermHistory`] with the highest-common-point search the election
+//! uses.
+//!
+//! Pure code: no I/O, no clock. Everything here is shared by the WAL format, the consensus core,
+//! storage and the network layers.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Size of a PostgreSQL WAL page (`XLOG_BLCKSZ`).
+pub const XLOG_BLCKSZ: u64 = 8192;
+
+/// A log sequence number: a byte position in the WAL stream. Shown as `X/X` like PostgreSQL.
+#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Lsn(pub u64);
+
+impl Lsn {
+    pub const INVALID: Lsn = Lsn(0);
+    pub const MAX: Lsn = Lsn(u64::MAX);
+
+    pub fn is_valid(self) -> bool {
+        self != Lsn::INVALID
+    }
+
+    /// Segment number of the segment that holds this LSN.
+    pub fn segment_number(self, seg_size: u64) -> u64 {
+        self.0 / seg_size
+    }
+
+    /// Offset of this LSN inside its segment.
+    pub fn segment_offset(self, seg_size: u64) -> u64 {
+        self.0 % seg_size
+    }
+
+    /// The start of the segment that holds this LSN.
+    pub fn segment_start(self, seg_size: u64) -> Lsn {
+        Lsn(self.0 - self.0 % seg_size)
+    }
+
+    /// Offset of this LSN inside its 8 KiB WAL page.
+    pub fn page_offset(self) -> u64 {
+        self.0 % XLOG_BLCKSZ
+    }
+
+    /// The start of the page that holds this LSN.
+    pub fn page_start(self) -> Lsn {
+        Lsn(self.0 - self.0 % XLOG_BLCKSZ)
+    }
+
+    /// Round up to the next multiple of 8 (PostgreSQL's `MAXALIGN`), or `None` on overflow.
+    pub fn align8(self) -> Option<Lsn> {
+        self.0.checked_add(7).map(|v| Lsn(v & !7))
+    }
+
+    pub fn checked_add(self, n: u64) -> Option<Lsn> {
+        self.0.checked_add(n).map(Lsn)
+    }
+
+    pub fn checked_sub(self, other: Lsn) -> Option<u64> {
+        self.0.checked_sub(other.0)
+    }
+}
+
+impl fmt::Display for Lsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:X}/{:X}", self.0 >> 32, self.0 & 0xffff_ffff)
+    }
+}
+
+impl fmt::Debug for Lsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl From<u64> for Lsn {
+    fn from(v: u64) -> Self {
+        Lsn(v)
+    }
+}
+
+/// Error parsing an LSN from `X/X` text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid LSN {0:?}: expected two hexadecimal numbers separated by '/', e.g. 0/16B3748")]
+pub struct LsnParseError(String);
+
+impl FromStr for Lsn {
+    type Err = LsnParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = || LsnParseError(s.to_string());
+        let (hi, lo) = s.split_once('/').ok_or_else(err)?;
+        if hi.is_empty() || lo.is_empty() || hi.len() > 8 || lo.len() > 8 {
+            return Err(err());
+        }
+        let hi = u32::from_str_radix(hi, 16).map_err(|_| err())?;
+        let lo = u32::from_str_radix(lo, 16).map_err(|_| err())?;
+        Ok(Lsn(((hi as u64) << 32) | lo as u64))
+    }
+}
+
+impl serde::Serialize for Lsn {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// A consensus term (Raft term, Paxos ballot). Terms only grow.
+#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize)]
+pub struct Term(pub u64);
+
+impl Term {
+    /// The term of a timeline's initial history entry, before any election.
+    pub const INITIAL: Term = Term(0);
+}
+
+impl fmt::Display for Term {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Membership configuration generation. 0 means "no membership configuration" (legacy mode).
+#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize)]
+pub struct Generation(pub u32);
+
+impl Generation {
+    pub const INVALID: Generation = Generation(0);
+}
+
+impl fmt::Display for Generation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A safekeeper's node id.
+#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize)]
+pub struct NodeId(pub u64);
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Error parsing a 16-byte id from 32 hex characters.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid id {0:?}: expected 32 hexadecimal characters")]
+pub struct IdParseError(String);
+
+macro_rules! hex_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(pub [u8; 16]);
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                for b in self.0 {
+                    write!(f, "{b:02x}")?;
+                }
+                Ok(())
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(self, f)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = IdParseError;
+
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                let mut out = [0u8; 16];
+                hex::decode_to_slice(s, &mut out).map_err(|_| IdParseError(s.to_string()))?;
+                Ok($name(out))
+            }
+        }
+
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+    };
+}
+
+hex_id!(
+    /// A tenant id (16 bytes, shown as 32 lowercase hex characters).
+    TenantId
+);
+hex_id!(
+    /// A timeline id (16 bytes, shown as 32 lowercase hex characters).
+    TimelineId
+);
+
+/// Identifies one consensus instance: a timeline of a tenant.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct TenantTimelineId {
+    pub tenant_id: TenantId,
+    pub timeline_id: TimelineId,
+}
+
+impl fmt::Display for TenantTimelineId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.tenant_id, self.timeline_id)
+    }
+}
+
+/// One entry of a term history: `term` began writing WAL at `lsn`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, serde::Serialize)]
+pub struct TermLsn {
+    pub term: Term,
+    pub lsn: Lsn,
+}
+
+/// Which term wrote which part of the WAL.
+///
+/// Invariant: terms strictly increase and LSNs never decrease along the vector. A term's WAL is
+/// `[entry.lsn, next.lsn)`; the last entry's WAL ends at the holder's flush LSN (an acceptor) or is
+/// open-ended (a proposer).
+#[derive(Clone, Default, PartialEq, Eq, Debug, serde::Serialize)]
+pub struct TermHistory(pub Vec<TermLsn>);
+
+/// Error for a term history that breaks its ordering invariant.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid term history: {0}")]
+pub struct TermHistoryError(pub String);
+
+impl TermHistory {
+    pub fn empty() -> TermHistory {
+        TermHistory(Vec::new())
+    }
+
+    /// Checks the ordering invariant (terms strictly increase, LSNs do not decrease).
+    pub fn validate(&self) -> Result<(), TermHistoryError> {
+        for w in self.0.windows(2) {
+            if w[1].term <= w[0].term {
+                return Err(TermHistoryError(format!(
+                    "term {} follows term {}",
+                    w[1].term, w[0].term
+                )));
+            }
+            if w[1].lsn < w[0].lsn {
+                return Err(TermHistoryError(format!(
+                    "term {} starts at {} before term {} at {}",
+                    w[1].term, w[1].lsn, w[0].term, w[0].lsn
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The term of the last entry (0 if empty): the term that wrote the newest WAL.
+    pub fn last_log_term(&self) -> Term {
+        self.0.last().map(|e| e.term).unwrap_or(Term::INITIAL)
+    }
+
+    /// The history limited to entries that start at or below `up_to` (what an acceptor whose WAL
+    /// ends at `up_to` actually holds).
+    pub fn up_to(&self, up_to: Lsn) -> TermHistory {
+        TermHistory(self.0.iter().copied().take_while(|e| e.lsn <= up_to).collect())
+    }
+
+    /// The highest point where the proposer's history `prop` and an acceptor's history `sk`
+    /// (whose WAL ends at `sk_end`) agree: everything below the returned LSN was written by the
+    /// same terms on both. Returns `None` if they share no entry.
+    ///
+    /// Walks both histories while the terms match; equal terms must start at equal LSNs (one
+    /// proposer per term), otherwise the histories are inconsistent and an error is returned.
+    pub fn find_highest_common_point(
+        prop: &TermHistory,
+        sk: &TermHistory,
+        sk_end: Lsn,
+    ) -> Result<Option<TermLsn>, TermHistoryError> {
+        if let Some(last) = sk.0.last()
+            && last.lsn > sk_end
+        {
+            return Err(TermHistoryError(format!(
+                "acceptor history's last entry starts at {} above its WAL end {}",
+                last.lsn, sk_end
+            )));
+        }
+        let mut last_common = None;
+        for (i, (p, s)) in prop.0.iter().zip(sk.0.iter()).enumerate() {
+            if p.term != s.term {
+                break;
+            }
+            if p.lsn != s.lsn {
+                return Err(TermHistoryError(format!(
+                    "term {} starts at {} for the proposer but at {} for the acceptor",
+                    p.term, p.lsn, s.lsn
+                )));
+            }
+            last_common = Some(i);
+        }
+        let Some(i) = last_common else {
+            return Ok(None);
+        };
+        let term = prop.0[i].term;
+        if i + 1 == prop.0.len() {
+            // The proposer's last term is common: the acceptor's WAL of that term is all good.
+            return Ok(Some(TermLsn { term, lsn: sk_end }));
+        }
+        let prop_next = prop.0[i + 1].lsn;
+        let sk_next = sk.0.get(i + 1).map(|e| e.lsn).unwrap_or(sk_end);
+        Ok(Some(TermLsn {
+            term,
+            lsn: prop_next.min(sk_next),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(entries: &[(u64, u64)]) -> TermHistory {
+        TermHistory(
+            entries
+                .iter()
+                .map(|&(t, l)| TermLsn {
+                    term: Term(t),
+                    lsn: Lsn(l),
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn lsn_displays_and_parses_like_postgres() {
+        let lsn = Lsn(0x1_16B3_748);
+        assert_eq!(lsn.to_string(), "0/116B3748");
+        assert_eq!("0/116B3748".parse::<Lsn>(), Ok(lsn));
+        assert_eq!(Lsn(0xAB_0000_0010).to_string(), "AB/10");
+        assert_eq!("ab/10".parse::<Lsn>(), Ok(Lsn(0xAB_0000_0010)));
+        for bad in ["", "/", "0/", "/0", "0", "0/0/0", "x/0", "123456789/0", "0/-1"] {
+            assert!(bad.parse::<Lsn>().is_err(), "{bad:?} must not parse");
+        }
+    }
+
+    #[test]
+    fn lsn_segment_and_page_helpers() {
+        let seg = 16 << 20;
+        let lsn = Lsn(3 * seg + 8192 * 2 + 100);
+        assert_eq!(lsn.segment_number(seg), 3);
+        assert_eq!(lsn.segment_offset(seg), 8192 * 2 + 100);
+        assert_eq!(lsn.segment_start(seg), Lsn(3 * seg));
+        assert_eq!(lsn.page_offset(), 100);
+        assert_eq!(lsn.page_start(), Lsn(3 * seg + 8192 * 2));
+        assert_eq!(Lsn(9).align8(), Some(Lsn(16)));
+        assert_eq!(Lsn(16).align8(), Some(Lsn(16)));
+        assert_eq!(Lsn(u64::MAX).align8(), None);
+        assert_eq!(Lsn(5).checked_sub(Lsn(6)), None);
+    }
+
+    #[test]
+    fn ids_round_trip_through_hex() {
+        let s = "de200bd42b49cc1814412c7e592dd6e9";
+        let id: TenantId = s.parse().unwrap();
+        assert_eq!(id.to_string(), s);
+        assert!("de200bd42b49cc1814412c7e592dd6e".parse::<TimelineId>().is_err());
+        assert!("zz200bd42b49cc1814412c7e592dd6e9".parse::<TimelineId>().is_err());
+    }
+
+    #[test]
+    fn history_validation_rejects_disorder() {
+        assert!(h(&[(1, 10), (2, 10), (5, 20)]).validate().is_ok());
+        assert!(h(&[(2, 10), (2, 20)]).validate().is_err());
+        assert!(h(&[(1, 20), (2, 10)]).validate().is_err());
+    }
+
+    #[test]
+    fn highest_common_point_none_when_first_terms_differ() {
+        let prop = h(&[(2, 10)]);
+        let sk = h(&[(1, 10)]);
+        assert_eq!(
+            TermHistory::find_highest_common_point(&prop, &sk, Lsn(50)),
+            Ok(None)
+        );
+        assert_eq!(
+            TermHistory::find_highest_common_point(&prop, &TermHistory::empty(), Lsn(0)),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn highest_common_point_in_the_middle() {
+        // Proposer moved on from term 1 at 30; the acceptor kept writing term 1 past it and then
+        // joined term 2 at 40: only WAL below 30 is common.
+        let prop = h(&[(1, 10), (3, 30)]);
+        let sk = h(&[(1, 10), (2, 40)]);
+        assert_eq!(
+            TermHistory::find_highest_common_point(&prop, &sk, Lsn(60)),
+            Ok(Some(TermLsn {
+                term: Term(1),
+                lsn: Lsn(30)
+            }))
+        );
+    }
+
+    #[test]
+    fn highest_common_point_at_acceptor_end() {
+        // The acceptor stopped in term 1 before the proposer's term 3 began.
+        let prop = h(&[(1, 10), (3, 30)]);
+        let sk = h(&[(1, 10)]);
+        assert_eq!(
+            TermHistory::find_highest_common_point(&prop, &sk, Lsn(20)),
+            Ok(Some(TermLsn {
+                term: Term(1),
+                lsn: Lsn(20)
+            }))
+        );
+    }
+
+    #[test]
+    fn highest_common_point_is_acceptor_end_when_proposer_last_term_is_common() {
+        let prop = h(&[(1, 10), (3, 30)]);
+        let sk = h(&[(1, 10), (3, 30)]);
+        assert_eq!(
+            TermHistory::find_highest_common_point(&prop, &sk, Lsn(55)),
+            Ok(Some(TermLsn {
+                term: Term(3),
+                lsn: Lsn(55)
+            }))
+        );
+    }
+
+    #[test]
+    fn highest_common_point_rejects_inconsistent_histories() {
+        let prop = h(&[(1, 10)]);
+        let sk = h(&[(1, 12)]);
+        assert!(TermHistory::find_highest_common_point(&prop, &sk, Lsn(20)).is_err());
+        // The acceptor history claims a term that starts past its WAL end.
+        let sk = h(&[(1, 10), (2, 30)]);
+        assert!(TermHistory::find_highest_common_point(&prop, &sk, Lsn(20)).is_err());
+    }
+
+    #[test]
+    fn up_to_drops_entries_beyond_the_end() {
+        let hist = h(&[(1, 10), (2, 20), (3, 30)]);
+        assert_eq!(hist.up_to(Lsn(25)), h(&[(1, 10), (2, 20)]));
+        assert_eq!(hist.up_to(Lsn(30)).last_log_term(), Term(3));
+        assert_eq!(TermHistory::empty().last_log_term(), Term(0));
+    }
+}
