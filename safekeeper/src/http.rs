@@ -1,1 +1,91 @@
-//! HTTP API.
+//! The HTTP API: status, Prometheus metrics, and the profiling routes.
+//!
+//! [`app`] builds the whole router so tests can call it without a socket.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+
+use crate::daemon::SharedState;
+
+/// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
+/// generic body (details in the log) for ours.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("internal error: {0:#}")]
+    Internal(#[from] anyhow::Error),
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response(),
+            ApiError::NotFound(m) => (StatusCode::NOT_FOUND, format!("{m}\n")).into_response(),
+            ApiError::Internal(e) => {
+                tracing::error!("HTTP request failed: {e:#}");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal error (details in the server log)\n",
+                )
+                    .into_response()
+            }
+        }
+    }
+}
+
+/// The safekeeper's HTTP router.
+pub fn app(state: Arc<SharedState>) -> Router {
+    Router::new()
+        .route("/v1/status", get(status))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+        .merge(profiling::router())
+}
+
+#[derive(Serialize)]
+struct Status {
+    id: u64,
+    version: &'static str,
+    uptime_seconds: f64,
+    started_at_unix: u64,
+    datadir: String,
+}
+
+async fn status(State(state): State<Arc<SharedState>>) -> Json<Status> {
+    Json(Status {
+        id: state.conf.id,
+        version: env!("CARGO_PKG_VERSION"),
+        uptime_seconds: state.started.elapsed().as_secs_f64(),
+        started_at_unix: state
+            .started_at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        datadir: std::path::absolute(&state.conf.datadir)
+            .unwrap_or_else(|_| state.conf.datadir.clone())
+            .display()
+            .to_string(),
+    })
+}
+
+async fn metrics() -> Result<Response, ApiError> {
+    let families = prometheus::gather();
+    let mut out = String::new();
+    prometheus::TextEncoder::new()
+        .encode_utf8(&families, &mut out)
+        .map_err(|e| ApiError::Internal(e.into()))?;
+    Ok((
+        [(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)],
+        out,
+    )
+        .into_response())
+}

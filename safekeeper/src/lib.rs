@@ -7,6 +7,8 @@
 //! 3. storage: [`storage`] (control file, WAL segments, in-memory fakes);
 //! 4. network and tasks (tokio); 5. HTTP: [`http`].
 
+pub mod config;
+pub mod daemon;
 pub mod http;
 pub mod protocol;
 pub mod safekeeper;

@@ -1,0 +1,136 @@
+//! Prometheus metrics of the profiling crate: request counters per profile kind and outcome, and
+//! jemalloc's memory statistics, in the default registry.
+
+use std::sync::LazyLock;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{IntCounterVec, IntGauge, Opts};
+
+use crate::error::ProfileError;
+
+static REQUESTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    IntCounterVec::new(
+        Opts::new(
+            "profile_requests_total",
+            "Profile requests served, by profile kind and outcome",
+        ),
+        &["profile", "outcome"],
+    )
+    .expect("valid metric definition")
+});
+
+#[derive(Clone, Copy)]
+pub(crate) enum Outcome {
+    Ok,
+    BadRequest,
+    Conflict,
+    Unavailable,
+    Error,
+}
+
+impl Outcome {
+    pub(crate) fn of<T>(r: &Result<T, ProfileError>) -> Outcome {
+        match r {
+            Ok(_) => Outcome::Ok,
+            Err(ProfileError::BadRequest(_)) => Outcome::BadRequest,
+            Err(ProfileError::Conflict(_)) => Outcome::Conflict,
+            Err(ProfileError::Unavailable(_)) => Outcome::Unavailable,
+            Err(ProfileError::Internal(_)) => Outcome::Error,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::BadRequest => "bad_request",
+            Outcome::Conflict => "conflict",
+            Outcome::Unavailable => "unavailable",
+            Outcome::Error => "error",
+        }
+    }
+}
+
+pub(crate) fn record(profile: &str, outcome: Outcome) {
+    REQUESTS.with_label_values(&[profile, outcome.label()]).inc();
+}
+
+/// jemalloc's statistics, read fresh on every scrape.
+struct JemallocCollector {
+    gauges: Vec<(IntGauge, fn() -> Result<usize, tikv_jemalloc_ctl::Error>)>,
+}
+
+impl JemallocCollector {
+    fn new() -> JemallocCollector {
+        use tikv_jemalloc_ctl::stats;
+        let g = |name: &str, help: &str| {
+            IntGauge::new(name, help).expect("valid metric definition")
+        };
+        JemallocCollector {
+            gauges: vec![
+                (
+                    g("jemalloc_allocated_bytes", "Bytes allocated by the application"),
+                    stats::allocated::read,
+                ),
+                (
+                    g("jemalloc_active_bytes", "Bytes in active pages allocated by the application"),
+                    stats::active::read,
+                ),
+                (
+                    g("jemalloc_resident_bytes", "Bytes in physically resident data pages mapped by the allocator"),
+                    stats::resident::read,
+                ),
+                (
+                    g("jemalloc_mapped_bytes", "Bytes in active extents mapped by the allocator"),
+                    stats::mapped::read,
+                ),
+                (
+                    g("jemalloc_retained_bytes", "Bytes in virtual memory mappings retained for reuse"),
+                    stats::retained::read,
+                ),
+                (
+                    g("jemalloc_metadata_bytes", "Bytes dedicated to allocator metadata"),
+                    stats::metadata::read,
+                ),
+            ],
+        }
+    }
+}
+
+impl Collector for JemallocCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.gauges.iter().flat_map(|(g, _)| g.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        // Statistics are cached by jemalloc until the epoch advances.
+        if tikv_jemalloc_ctl::epoch::advance().is_err() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for (gauge, read) in &self.gauges {
+            if let Ok(v) = read() {
+                gauge.set(v as i64);
+                out.extend(gauge.collect());
+            }
+        }
+        out
+    }
+}
+
+/// Registers the profiling crate's metrics in the default Prometheus registry (idempotent).
+/// jemalloc gauges are only registered when jemalloc statistics are readable.
+pub fn register_metrics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let registry = prometheus::default_registry();
+        if let Err(e) = registry.register(Box::new(REQUESTS.clone())) {
+            tracing::warn!("registering profile request metrics: {e}");
+        }
+        if tikv_jemalloc_ctl::epoch::advance().is_ok()
+            && let Err(e) = registry.register(Box::new(JemallocCollector::new()))
+        {
+            tracing::warn!("registering jemalloc metrics: {e}");
+        }
+    });
+}

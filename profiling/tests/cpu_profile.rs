@@ -1,0 +1,180 @@
+//! The CPU profile tells the truth: self time lands on the true leaf function, stacks are deep,
+//! and the sample count matches the rate the profile claims (frequencies above the kernel tick
+//! are clamped and labelled as such).
+//!
+//! One test function: a CPU profile is process-wide, so these checks must not run concurrently
+//! with each other.
+
+use std::io::Read;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use pprof::protos::Message;
+use tower::ServiceExt;
+
+const THREAD: &str = "leaf-burner";
+
+/// The known leaf: only operators, so no call appears even in an unoptimized build.
+#[inline(never)]
+fn burn_leaf(mut x: u64) -> u64 {
+    let mut i = 0u32;
+    while i < 200_000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        i += 1;
+    }
+    x
+}
+
+#[inline(never)]
+fn burn_level_2(x: u64) -> u64 {
+    burn_leaf(x) | 1
+}
+
+#[inline(never)]
+fn burn_level_1(stop: &AtomicBool) -> u64 {
+    let mut x = 88172645463325252u64;
+    while !stop.load(Ordering::Relaxed) {
+        x = burn_level_2(x);
+    }
+    x
+}
+
+struct Profile {
+    proto: pprof::protos::Profile,
+    frequency_header: String,
+}
+
+async fn take_profile(query: &str) -> Profile {
+    let resp = profiling::router::<()>()
+        .oneshot(
+            Request::get(format!("/profile/cpu?{query}"))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-type"], "application/octet-stream");
+    assert!(
+        resp.headers()["content-disposition"]
+            .to_str()
+            .unwrap()
+            .contains("profile.pb.gz")
+    );
+    let frequency_header = resp.headers()["x-profile-frequency"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let gz = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&gz[..2], &[0x1f, 0x8b], "pprof output is gzip-compressed");
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_end(&mut raw)
+        .unwrap();
+    Profile {
+        proto: pprof::protos::Profile::decode(&raw[..]).unwrap(),
+        frequency_header,
+    }
+}
+
+/// (leaf function name, all function names bottom-up... as a Vec, sample count) for each sample
+/// of the burner thread.
+fn burner_samples(p: &pprof::protos::Profile) -> Vec<(Vec<String>, i64)> {
+    let s = |i: i64| p.string_table[i as usize].clone();
+    let fn_name = |loc_id: u64| {
+        let loc = p.location.iter().find(|l| l.id == loc_id).unwrap();
+        let f = p
+            .function
+            .iter()
+            .find(|f| f.id == loc.line[0].function_id)
+            .unwrap();
+        s(f.name)
+    };
+    p.sample
+        .iter()
+        .filter(|smp| smp.label.iter().any(|l| s(l.key) == "thread" && s(l.str) == THREAD))
+        .map(|smp| {
+            let names = smp.location_id.iter().map(|&l| fn_name(l)).collect();
+            (names, smp.value[0])
+        })
+        .collect()
+}
+
+fn check(p: &Profile, frequency: u64, seconds: u64) {
+    let samples = burner_samples(&p.proto);
+    let total: i64 = samples.iter().map(|(_, n)| n).sum();
+    let on_leaf: i64 = samples
+        .iter()
+        .filter(|(names, _)| names.first().is_some_and(|n| n.contains("burn_leaf")))
+        .map(|(_, n)| n)
+        .sum();
+    let deep: i64 = samples
+        .iter()
+        .filter(|(names, _)| {
+            names.iter().any(|n| n.contains("burn_level_2"))
+                && names.iter().any(|n| n.contains("burn_level_1"))
+        })
+        .map(|(_, n)| n)
+        .sum();
+    assert!(total > 0, "no samples from the burner thread");
+    let leaf_share = on_leaf as f64 / total as f64;
+    assert!(
+        leaf_share >= 0.9,
+        "only {on_leaf}/{total} samples name burn_leaf as the leaf; samples: {samples:?}"
+    );
+    assert!(
+        deep as f64 / total as f64 >= 0.9,
+        "only {deep}/{total} samples have the full burn_level_1 > burn_level_2 stack"
+    );
+    // One busy thread: expected samples = frequency x seconds.
+    let ratio = total as f64 / (frequency * seconds) as f64;
+    assert!(
+        (0.8..=1.2).contains(&ratio),
+        "{total} samples at {frequency} Hz over {seconds} s: ratio {ratio:.2}"
+    );
+    assert_eq!(
+        p.proto.period,
+        1_000_000_000 / frequency as i64,
+        "the period must match the rate actually sampled"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn cpu_profile_names_true_leaf_and_rate_matches_samples() {
+    profiling::warm_up();
+    let stop = Arc::new(AtomicBool::new(false));
+    let burner = {
+        let stop = stop.clone();
+        std::thread::Builder::new()
+            .name(THREAD.into())
+            .spawn(move || burn_level_1(&stop))
+            .unwrap()
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let p = take_profile("seconds=2&frequency=99").await;
+    assert_eq!(p.frequency_header, "99");
+    check(&p, 99, 2);
+
+    // Above the kernel tick: clamped, and the response says so.
+    let max = profiling::max_sampling_frequency();
+    let p = take_profile("seconds=2&frequency=1000").await;
+    if max < 1000 {
+        assert!(
+            p.frequency_header
+                .starts_with(&format!("{max}; requested=1000; clamped")),
+            "{}",
+            p.frequency_header
+        );
+    }
+    check(&p, max, 2);
+
+    stop.store(true, Ordering::Relaxed);
+    burner.join().unwrap();
+}

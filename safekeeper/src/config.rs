@@ -1,0 +1,52 @@
+//! The daemon's configuration: command-line flags, each with an environment-variable override.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::types::NodeId;
+
+/// mini-safekeeper: accepts PostgreSQL WAL from a proposer (neon's safekeeper protocol v3),
+/// keeps it durably in WAL segments, and serves committed WAL to PostgreSQL readers.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "safekeeper", version, about, long_about = None)]
+pub struct Conf {
+    /// This safekeeper's node id (unique within a safekeeper set).
+    #[arg(long, env = "SAFEKEEPER_ID", default_value_t = 1)]
+    pub id: u64,
+
+    /// Data directory: one sub-directory per tenant and timeline. Created if missing.
+    #[arg(long, env = "SAFEKEEPER_DATADIR", default_value = "safekeeper_data")]
+    pub datadir: PathBuf,
+
+    /// Address of the PostgreSQL-protocol listener (proposers and WAL readers).
+    #[arg(long, env = "SAFEKEEPER_LISTEN_PG", default_value = "127.0.0.1:5454")]
+    pub listen_pg: SocketAddr,
+
+    /// Address of the HTTP listener (status, metrics, profiles).
+    #[arg(long, env = "SAFEKEEPER_LISTEN_HTTP", default_value = "127.0.0.1:7676")]
+    pub listen_http: SocketAddr,
+
+    /// Skip every fsync. Only for tests and benchmarks: a crash can lose acknowledged WAL.
+    #[arg(long, env = "SAFEKEEPER_NO_SYNC")]
+    pub no_sync: bool,
+}
+
+impl Conf {
+    pub fn node_id(&self) -> NodeId {
+        NodeId(self.id)
+    }
+
+    /// A configuration with defaults for `datadir`, listening on ephemeral loopback ports (for
+    /// tests).
+    pub fn for_tests(datadir: PathBuf) -> Conf {
+        Conf {
+            id: 1,
+            datadir,
+            listen_pg: "127.0.0.1:0".parse().expect("valid address"),
+            listen_http: "127.0.0.1:0".parse().expect("valid address"),
+            no_sync: false,
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! Running the daemon: lock the data directory, bind the listeners, serve until shut down.
+//!
+//! The binary (`src/bin/safekeeper.rs`) only parses flags, sets up tracing and the allocator,
+//! and calls [`run`]. Tests call [`bind`] and [`run`] with ephemeral ports and their own shutdown
+//! future.
+
+use std::fs::{File, OpenOptions};
+use std::future::Future;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use anyhow::{Context, bail};
+use tokio::net::TcpListener;
+
+use crate::config::Conf;
+use crate::http;
+
+/// Name of the lock file inside the data directory.
+pub const LOCK_FILE: &str = "safekeeper.lock";
+
+/// An exclusive lock on a data directory, held for the life of the process (released by the
+/// kernel when the file is closed, also on a crash).
+#[derive(Debug)]
+pub struct DataDirLock {
+    _file: File,
+    path: PathBuf,
+}
+
+impl DataDirLock {
+    /// Creates `datadir` if needed and locks it; fails if another process holds the lock.
+    pub fn acquire(datadir: &Path) -> anyhow::Result<DataDirLock> {
+        std::fs::create_dir_all(datadir)
+            .with_context(|| format!("creating data directory {}", datadir.display()))?;
+        let path = datadir.join(LOCK_FILE);
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: flock on a file descriptor we own.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                let owner = std::fs::read_to_string(&path).unwrap_or_default();
+                bail!(
+                    "data directory {} is in use by another safekeeper (pid {}); \
+                     use a different --datadir",
+                    datadir.display(),
+                    owner.trim()
+                );
+            }
+            return Err(err).with_context(|| format!("locking {}", path.display()));
+        }
+        file.set_len(0)?;
+        writeln!(file, "{}", std::process::id())?;
+        Ok(DataDirLock { _file: file, path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Listeners bound before serving, so callers can learn ephemeral ports.
+pub struct Listeners {
+    pub http: TcpListener,
+}
+
+impl Listeners {
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http.local_addr().expect("bound listener has an address")
+    }
+}
+
+/// Binds every listener the configuration names.
+pub async fn bind(conf: &Conf) -> anyhow::Result<Listeners> {
+    let http = TcpListener::bind(conf.listen_http)
+        .await
+        .with_context(|| format!("binding the HTTP listener on {}", conf.listen_http))?;
+    Ok(Listeners { http })
+}
+
+/// Process-wide state shared by the HTTP handlers and the services.
+pub struct SharedState {
+    pub conf: Conf,
+    pub started: Instant,
+    pub started_at: SystemTime,
+}
+
+/// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish, and
+/// returns.
+pub async fn run(
+    conf: Conf,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let lock = DataDirLock::acquire(&conf.datadir)?;
+    tracing::info!(
+        id = conf.id,
+        datadir = %conf.datadir.display(),
+        http = %listeners.http_addr(),
+        "safekeeper started"
+    );
+    profiling::register_metrics();
+    let state = Arc::new(SharedState {
+        conf,
+        started: Instant::now(),
+        started_at: SystemTime::now(),
+    });
+    axum::serve(listeners.http, http::app(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("HTTP server")?;
+    tracing::info!(lock = %lock.path().display(), "safekeeper stopped");
+    Ok(())
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
+    let which = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!("{which} received, shutting down");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn second_lock_on_same_datadir_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = DataDirLock::acquire(dir.path()).unwrap();
+        let err = DataDirLock::acquire(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("in use by another safekeeper"), "{err}");
+        assert!(err.contains(&std::process::id().to_string()), "{err}");
+        drop(first);
+        DataDirLock::acquire(dir.path()).expect("lock is free again after release");
+    }
+}
