@@ -158,7 +158,9 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
         match format {
             "svg" => {
                 let mut svg = Vec::new();
-                report.flamegraph(&mut svg).context("rendering the flamegraph")?;
+                report
+                    .flamegraph(&mut svg)
+                    .context("rendering the flamegraph")?;
                 Ok(svg)
             }
             _ => {
@@ -186,9 +188,7 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
     )
         .into_response();
     let note = if requested > frequency {
-        format!(
-            "{frequency}; requested={requested}; clamped to the kernel tick rate ({max} Hz)"
-        )
+        format!("{frequency}; requested={requested}; clamped to the kernel tick rate ({max} Hz)")
     } else {
         frequency.to_string()
     };
@@ -214,7 +214,10 @@ async fn acquire(force: bool) -> Result<(OwnedMutexGuard<()>, CancellationToken)
             ));
         }
         Err(_) => {
-            s.cancel.lock().expect("cancel token lock poisoned").cancel();
+            s.cancel
+                .lock()
+                .expect("cancel token lock poisoned")
+                .cancel();
             tokio::time::timeout(FORCE_TAKEOVER_TIMEOUT, s.lock.clone().lock_owned())
                 .await
                 .map_err(|_| {

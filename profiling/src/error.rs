@@ -128,7 +128,10 @@ mod tests {
     fn bounded_parameters_reject_out_of_range_and_garbage() {
         let s = |v: &str| Some(v.to_string());
         assert_eq!(parse_bounded("seconds", None, 5, 1..=60).unwrap(), 5);
-        assert_eq!(parse_bounded("seconds", s("60").as_ref(), 5, 1..=60).unwrap(), 60);
+        assert_eq!(
+            parse_bounded("seconds", s("60").as_ref(), 5, 1..=60).unwrap(),
+            60
+        );
         for bad in ["0", "61", "abc", "-1", "", "1.5"] {
             let err = parse_bounded("seconds", s(bad).as_ref(), 5, 1..=60).unwrap_err();
             assert!(matches!(err, ProfileError::BadRequest(ref m) if m.contains("1 to 60")));
@@ -142,6 +145,9 @@ mod tests {
         assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST);
         assert!(err.to_string().contains("pprof, svg"));
         let v = Some("SVG".to_string());
-        assert_eq!(parse_choice("format", v.as_ref(), &["pprof", "svg"]).unwrap(), "svg");
+        assert_eq!(
+            parse_choice("format", v.as_ref(), &["pprof", "svg"]).unwrap(),
+            "svg"
+        );
     }
 }

@@ -29,7 +29,11 @@ pub(crate) async fn handler(Query(params): Query<HashMap<String, String>>) -> Re
 
 async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileError> {
     reject_unknown(&params, &["format", "seconds"])?;
-    let format = parse_choice("format", params.get("format"), &["pprof", "jemalloc", "svg"])?;
+    let format = parse_choice(
+        "format",
+        params.get("format"),
+        &["pprof", "jemalloc", "svg"],
+    )?;
     let seconds = match params.get("seconds") {
         None => None,
         some => Some(parse_bounded("seconds", some, 0, 1..=300)?),

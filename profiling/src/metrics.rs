@@ -52,44 +52,66 @@ impl Outcome {
 }
 
 pub(crate) fn record(profile: &str, outcome: Outcome) {
-    REQUESTS.with_label_values(&[profile, outcome.label()]).inc();
+    REQUESTS
+        .with_label_values(&[profile, outcome.label()])
+        .inc();
 }
+
+/// Reads one jemalloc statistic.
+type StatReader = fn() -> Result<usize, tikv_jemalloc_ctl::Error>;
 
 /// jemalloc's statistics, read fresh on every scrape.
 struct JemallocCollector {
-    gauges: Vec<(IntGauge, fn() -> Result<usize, tikv_jemalloc_ctl::Error>)>,
+    gauges: Vec<(IntGauge, StatReader)>,
 }
 
 impl JemallocCollector {
     fn new() -> JemallocCollector {
         use tikv_jemalloc_ctl::stats;
-        let g = |name: &str, help: &str| {
-            IntGauge::new(name, help).expect("valid metric definition")
-        };
+        let g =
+            |name: &str, help: &str| IntGauge::new(name, help).expect("valid metric definition");
         JemallocCollector {
             gauges: vec![
                 (
-                    g("jemalloc_allocated_bytes", "Bytes allocated by the application"),
+                    g(
+                        "jemalloc_allocated_bytes",
+                        "Bytes allocated by the application",
+                    ),
                     stats::allocated::read,
                 ),
                 (
-                    g("jemalloc_active_bytes", "Bytes in active pages allocated by the application"),
+                    g(
+                        "jemalloc_active_bytes",
+                        "Bytes in active pages allocated by the application",
+                    ),
                     stats::active::read,
                 ),
                 (
-                    g("jemalloc_resident_bytes", "Bytes in physically resident data pages mapped by the allocator"),
+                    g(
+                        "jemalloc_resident_bytes",
+                        "Bytes in physically resident data pages mapped by the allocator",
+                    ),
                     stats::resident::read,
                 ),
                 (
-                    g("jemalloc_mapped_bytes", "Bytes in active extents mapped by the allocator"),
+                    g(
+                        "jemalloc_mapped_bytes",
+                        "Bytes in active extents mapped by the allocator",
+                    ),
                     stats::mapped::read,
                 ),
                 (
-                    g("jemalloc_retained_bytes", "Bytes in virtual memory mappings retained for reuse"),
+                    g(
+                        "jemalloc_retained_bytes",
+                        "Bytes in virtual memory mappings retained for reuse",
+                    ),
                     stats::retained::read,
                 ),
                 (
-                    g("jemalloc_metadata_bytes", "Bytes dedicated to allocator metadata"),
+                    g(
+                        "jemalloc_metadata_bytes",
+                        "Bytes dedicated to allocator metadata",
+                    ),
                     stats::metadata::read,
                 ),
             ],

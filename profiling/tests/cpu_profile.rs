@@ -98,7 +98,11 @@ fn burner_samples(p: &pprof::protos::Profile) -> Vec<(Vec<String>, i64)> {
     };
     p.sample
         .iter()
-        .filter(|smp| smp.label.iter().any(|l| s(l.key) == "thread" && s(l.str) == THREAD))
+        .filter(|smp| {
+            smp.label
+                .iter()
+                .any(|l| s(l.key) == "thread" && s(l.str) == THREAD)
+        })
         .map(|smp| {
             let names = smp.location_id.iter().map(|&l| fn_name(l)).collect();
             (names, smp.value[0])

@@ -75,7 +75,9 @@ pub struct Listeners {
 
 impl Listeners {
     pub fn http_addr(&self) -> SocketAddr {
-        self.http.local_addr().expect("bound listener has an address")
+        self.http
+            .local_addr()
+            .expect("bound listener has an address")
     }
 }
 

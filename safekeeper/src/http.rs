@@ -44,11 +44,12 @@ impl IntoResponse for ApiError {
 
 /// The safekeeper's HTTP router.
 pub fn app(state: Arc<SharedState>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/v1/status", get(status))
-        .route("/metrics", get(metrics))
-        .with_state(state)
-        .merge(profiling::router())
+        .route("/metrics", get(metrics));
+    #[cfg(feature = "testing")]
+    let router = router.merge(testing::routes());
+    router.with_state(state).merge(profiling::router())
 }
 
 #[derive(Serialize)]
@@ -83,9 +84,60 @@ async fn metrics() -> Result<Response, ApiError> {
     prometheus::TextEncoder::new()
         .encode_utf8(&families, &mut out)
         .map_err(|e| ApiError::Internal(e.into()))?;
-    Ok((
-        [(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)],
-        out,
-    )
-        .into_response())
+    Ok(([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], out).into_response())
+}
+
+/// Test hooks, compiled only with the `testing` feature.
+#[cfg(feature = "testing")]
+mod testing {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use axum::Router;
+    use axum::extract::Query;
+    use axum::routing::put;
+
+    use super::ApiError;
+    use crate::daemon::SharedState;
+
+    /// Memory a test asked the daemon to hold, so heap profiles have a known allocation site.
+    static RETAINED: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+    pub(super) fn routes() -> Router<Arc<SharedState>> {
+        Router::new().route(
+            "/v1/debug/retain_memory",
+            put(retain_memory).delete(release_memory),
+        )
+    }
+
+    /// `PUT /v1/debug/retain_memory?mib=N`: allocates N MiB (touched, in 1 MiB chunks) and keeps it.
+    async fn retain_memory(Query(q): Query<HashMap<String, String>>) -> Result<String, ApiError> {
+        let mib: usize = q
+            .get("mib")
+            .and_then(|v| v.parse().ok())
+            .filter(|v| (1..=4096).contains(v))
+            .ok_or_else(|| ApiError::BadRequest("mib must be an integer from 1 to 4096".into()))?;
+        let chunks = allocate_chunks(mib);
+        let mut held = RETAINED.lock().expect("retained memory lock poisoned");
+        held.extend(chunks);
+        Ok(format!("retaining {} MiB\n", held.len()))
+    }
+
+    #[inline(never)]
+    fn allocate_chunks(mib: usize) -> Vec<Vec<u8>> {
+        let chunks: Vec<Vec<u8>> = (0..mib)
+            .map(|i| vec![(i % 251) as u8 + 1; 1 << 20])
+            .collect();
+        std::hint::black_box(&chunks);
+        chunks
+    }
+
+    /// `DELETE /v1/debug/retain_memory`: frees everything retained.
+    async fn release_memory() -> String {
+        RETAINED
+            .lock()
+            .expect("retained memory lock poisoned")
+            .clear();
+        "released\n".into()
+    }
 }

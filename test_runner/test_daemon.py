@@ -1,0 +1,61 @@
+"""Daemon life cycle: status, metrics, graceful shutdown, the data directory lock."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import requests
+
+from fixtures.daemon import Safekeeper
+
+
+def test_status_reports_identity(safekeeper_factory):
+    sk = safekeeper_factory(node_id=7).start()
+    st = requests.get(f"{sk.http}/v1/status", timeout=5).json()
+    assert st["id"] == 7
+    assert st["version"]
+    assert st["uptime_seconds"] >= 0
+    assert st["datadir"] == str(sk.datadir)
+
+
+def test_metrics_expose_process_jemalloc_and_profile_counters(safekeeper):
+    requests.get(f"{safekeeper.http}/profile/cpu?seconds=0", timeout=5)
+    text = requests.get(f"{safekeeper.http}/metrics", timeout=5).text
+    for name in [
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "jemalloc_allocated_bytes",
+        "jemalloc_active_bytes",
+        "jemalloc_resident_bytes",
+        "jemalloc_mapped_bytes",
+        "jemalloc_retained_bytes",
+    ]:
+        assert f"\n{name} " in text, name
+    assert 'profile_requests_total{outcome="bad_request",profile="cpu"} 1' in text
+
+
+def test_sigterm_exits_zero_promptly(safekeeper):
+    started = time.monotonic()
+    assert safekeeper.stop(timeout=5) == 0
+    assert time.monotonic() - started < 5
+    assert "shutting down" in safekeeper.log()
+
+
+def test_datadir_lock_refuses_second_daemon(safekeeper):
+    second = Safekeeper(datadir=safekeeper.datadir, node_id=2)
+    proc = second.spawn()
+    assert proc.wait(timeout=20) == 1
+    log = second.log()
+    assert "in use by another safekeeper" in log
+    assert str(safekeeper.proc.pid) in log
+    # The first one is unaffected.
+    assert requests.get(f"{safekeeper.http}/v1/status", timeout=5).ok
+
+
+def test_help_lists_flags():
+    out = subprocess.run(
+        [str(Safekeeper(datadir=None).binary), "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in ["--id", "--datadir", "--listen-pg", "--listen-http", "--no-sync"]:
+        assert flag in out
