@@ -363,3 +363,19 @@ pub fn run_with_deadline(
 pub fn stream_bytes() -> Bytes {
     (0..STREAM_LEN).map(|i| (i % 251) as u8).collect()
 }
+
+impl Log {
+    /// Waits (up to 10 s, polling) until an entry equals `entry`; the server task logs
+    /// asynchronously after the client has moved on.
+    pub async fn wait_for(&self, entry: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !self.entries().iter().any(|e| e == entry) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "server never logged {entry:?}: {:?}",
+                self.entries()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
