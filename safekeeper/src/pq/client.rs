@@ -245,7 +245,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
 
     /// Sends `query` (START_REPLICATION, START_WAL_PUSH...) and, once the server answers
     /// CopyBothResponse, splits the connection for the duplex phase. A server error (e.g. "ahead
-    /// of the WAL flush position") is [`PqError::Server`].
+    /// of the WAL flush position") is [`PqError::Server`], either from here (our server refuses
+    /// before CopyBothResponse) or from the first [`CopyBothReader::read`]: a real PostgreSQL 15
+    /// walsender sends CopyBothResponse first and then the ErrorResponse.
     pub async fn start_copy_both(
         mut self,
         query: &str,
