@@ -151,9 +151,22 @@ async fn psql_authenticates_with_the_shared_secret_as_password() {
 }
 
 async fn pg_receivewal(port: u16, dir: &std::path::Path, extra: &[&str]) -> (bool, String, String) {
+    pg_receivewal_env(port, dir, extra, &[]).await
+}
+
+async fn pg_receivewal_env(
+    port: u16,
+    dir: &std::path::Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (bool, String, String) {
     let bin =
         require_pg_binary("pg_receivewal", "postgresql-client-15").expect("checked by caller");
     let mut cmd = Command::new(bin);
+    cmd.env_remove("PGPASSWORD");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     cmd.args(["--no-loop", "--verbose", "--no-password", "-D"])
         .arg(dir)
         .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
@@ -237,7 +250,6 @@ async fn pg_receivewal_accepts_our_wal_stream_and_answers_keepalives() {
         "stderr: {err}"
     );
     let log = srv.log.entries();
-    eprintln!("server log: {log:?}\npg_receivewal stderr: {err}");
     // pg_receivewal answered the keepalive with a status update reporting our WAL written.
     let end = format!("r:0/{:X}/", 0x100_0000 + STREAM_LEN);
     assert!(
@@ -253,4 +265,68 @@ async fn pg_receivewal_accepts_our_wal_stream_and_answers_keepalives() {
     assert_eq!(got.len() as u64, SEG_SIZE);
     assert_eq!(&got[..STREAM_LEN], &stream_bytes()[..]);
     assert!(got[STREAM_LEN..].iter().all(|&b| b == 0));
+}
+
+const TENANT: &str = "de200bd42b49cc1814412c7e592dd6e9";
+const TIMELINE: &str = "0102030405060708090a0b0c0d0e0f10";
+
+/// How a reader names the timeline: libpq passes `options` verbatim, and our parser reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libpq_clients_pass_options_verbatim_and_send_the_password() {
+    if require_pg_binary("pg_receivewal", "postgresql-client-15").is_none()
+        || require_pg_binary("psql", "postgresql-client-15").is_none()
+    {
+        return;
+    }
+    let config = ServerConfig {
+        password: Some(b"tok".to_vec()),
+        ..ServerConfig::default()
+    };
+    let srv = start_server(config, StartMode::Refuse).await;
+    let options = format!("-c tenant_id={TENANT} timeline_id={TIMELINE}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_, _, err) = pg_receivewal_env(
+        srv.addr.port(),
+        dir.path(),
+        &["-d", &format!("options='{options}'")],
+        &[("PGPASSWORD", "tok")],
+    )
+    .await;
+    assert!(
+        err.contains("is ahead of the WAL flush position"),
+        "stderr: {err}"
+    );
+
+    let (ok, _, err) = psql(
+        conninfo(
+            srv.addr.port(),
+            &format!("replication=true options='-ctenant_id={TENANT} -ctimeline_id={TIMELINE}'"),
+        ),
+        "IDENTIFY_SYSTEM",
+        vec![("PGPASSWORD", "tok")],
+    )
+    .await;
+    assert!(ok, "psql: {err}");
+
+    let sent: Vec<String> = srv
+        .log
+        .entries()
+        .into_iter()
+        .filter_map(|e| e.strip_prefix("startup:options=").map(str::to_string))
+        .collect();
+    assert_eq!(
+        sent,
+        vec![
+            options,
+            format!("-ctenant_id={TENANT} -ctimeline_id={TIMELINE}")
+        ]
+    );
+    for s in &sent {
+        let o = safekeeper::pq::command::parse_options(s).expect("options parse");
+        assert_eq!(o.tenant_id.map(|t| t.to_string()).as_deref(), Some(TENANT));
+        assert_eq!(
+            o.timeline_id.map(|t| t.to_string()).as_deref(),
+            Some(TIMELINE)
+        );
+    }
 }

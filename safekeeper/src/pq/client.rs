@@ -20,8 +20,8 @@ use super::io::{flush_buf, read_frame};
 use super::replication::StandbyMessage;
 use super::{ErrorFields, PqError};
 
-/// Where and how to connect.
-#[derive(Clone, Debug)]
+/// Where and how to connect. `Debug` hides the password.
+#[derive(Clone)]
 pub struct ClientConfig {
     pub host: String,
     pub port: u16,
@@ -38,6 +38,22 @@ pub struct ClientConfig {
     pub max_message_size: usize,
     /// Limit on TCP connect plus startup.
     pub connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("user", &self.user)
+            .field("application_name", &self.application_name)
+            .field("options", &self.options)
+            .field("replication", &self.replication)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("max_message_size", &self.max_message_size)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 impl ClientConfig {

@@ -31,8 +31,8 @@ use crate::types::Lsn;
 /// pg_receivewal (which refuses newer servers) and walreceiver accept us.
 pub const DEFAULT_SERVER_VERSION: &str = "15.18 (mini-safekeeper)";
 
-/// How a server connection authenticates clients and what it reports.
-#[derive(Clone, Debug)]
+/// How a server connection authenticates clients and what it reports. `Debug` hides the secret.
+#[derive(Clone)]
 pub struct ServerConfig {
     /// `None`: trust. `Some(secret)`: ask for a cleartext password and compare it with the
     /// secret in constant time.
@@ -41,6 +41,16 @@ pub struct ServerConfig {
     pub server_version: String,
     /// Limit on one message body from the client.
     pub max_message_size: usize,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("server_version", &self.server_version)
+            .field("max_message_size", &self.max_message_size)
+            .finish()
+    }
 }
 
 impl Default for ServerConfig {
@@ -53,7 +63,8 @@ impl Default for ServerConfig {
     }
 }
 
-/// A server connection before the CopyBoth phase.
+/// A server connection before the CopyBoth phase. Socket options (`TCP_NODELAY`, keepalive)
+/// and read timeouts are the caller's: set them on the stream, wrap calls in timeouts.
 pub struct ServerConn<S> {
     stream: S,
     read_buf: BytesMut,
@@ -514,5 +525,16 @@ mod tests {
         assert!(!constant_time_eq(b"", b"x"));
         assert!(!constant_time_eq(b"x", b""));
         assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn debug_output_hides_the_secret() {
+        let c = ServerConfig {
+            password: Some(b"hunter2".to_vec()),
+            ..ServerConfig::default()
+        };
+        let s = format!("{c:?}");
+        assert!(!s.contains("hunter2") && !s.contains("[104,"), "{s}");
+        assert!(s.contains("redacted"));
     }
 }
