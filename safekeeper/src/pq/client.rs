@@ -112,7 +112,7 @@ pub struct ClientConn<S> {
 
 impl ClientConn<TcpStream> {
     /// Connects over TCP (with `TCP_NODELAY`) and runs the startup phase, all within
-    /// `config.connect_timeout`.
+    /// `config.connect_timeout`. Not cancellation-safe (dropping it drops the connection).
     pub async fn connect(config: &ClientConfig) -> Result<Self, PqError> {
         let fut = async {
             let stream = TcpStream::connect((config.host.as_str(), config.port)).await?;
@@ -394,7 +394,8 @@ impl<W: AsyncWrite + Unpin> CopyBothWriter<W> {
         self.write_copy_data(&b);
     }
 
-    /// Buffers and sends a CopyData.
+    /// Buffers and sends a CopyData. If cancelled, the message stays buffered and goes out with
+    /// the next flush.
     pub async fn send_copy_data(&mut self, payload: &[u8]) -> Result<(), PqError> {
         self.write_copy_data(payload);
         self.flush().await

@@ -80,6 +80,18 @@ pub enum ProtocolError {
     },
 }
 
+impl ProtocolError {
+    /// The FATAL error to send before closing the connection over this error.
+    pub fn to_error_fields(&self) -> ErrorFields {
+        let code = match self {
+            ProtocolError::UnsupportedProtocolVersion { .. }
+            | ProtocolError::UnsupportedMessage { .. } => sqlstate::FEATURE_NOT_SUPPORTED,
+            _ => sqlstate::PROTOCOL_VIOLATION,
+        };
+        ErrorFields::fatal(code, self.to_string())
+    }
+}
+
 fn malformed(message: &'static str, reason: &'static str) -> ProtocolError {
     ProtocolError::Malformed { message, reason }
 }

@@ -341,6 +341,15 @@ pub fn parse_command(query: &str) -> Result<ReplicationCommand, CommandError> {
 }
 
 impl CommandError {
+    /// The ERROR to answer with (SQLSTATE 42601 syntax_error, as PostgreSQL's replication
+    /// grammar reports unknown commands); the connection stays usable.
+    pub fn to_error_fields(&self) -> crate::pq::codec::ErrorFields {
+        crate::pq::codec::ErrorFields::error(
+            crate::pq::codec::sqlstate::SYNTAX_ERROR,
+            self.to_string(),
+        )
+    }
+
     fn with_reason(self, reason: String) -> CommandError {
         match self {
             CommandError::Unsupported { command } => {
@@ -642,6 +651,8 @@ mod tests {
             }
         );
         assert_eq!(e.to_string(), "unsupported command BASE_BACKUP");
+        assert_eq!(e.to_error_fields().code, "42601");
+        assert_eq!(e.to_error_fields().severity, "ERROR");
         assert_eq!(
             parse_command("select 1"),
             Err(CommandError::Unsupported {

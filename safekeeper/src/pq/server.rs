@@ -18,13 +18,13 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 
+use super::PqError;
 use super::codec::{
     self, Authentication, BackendMessage, CopyResponse, ErrorFields, FieldDescription,
     FrontendMessage, StartupPacket, StartupParams, TransactionStatus, sqlstate,
 };
 use super::io::{flush_buf, read_frame};
 use super::replication::{ReplicationMessage, xlog_data_header};
-use super::{PqError, ProtocolError};
 use crate::types::Lsn;
 
 /// The `server_version` we report. Clients parse it with `%d.%d`: major 15, so PostgreSQL 15's
@@ -130,15 +130,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
             {
                 Ok(Some(p)) => p,
                 Ok(None) => return Err(PqError::ConnectionClosed),
-                Err(PqError::Protocol(e)) => {
-                    let code = match e {
-                        ProtocolError::UnsupportedProtocolVersion { .. } => {
-                            sqlstate::FEATURE_NOT_SUPPORTED
-                        }
-                        _ => sqlstate::PROTOCOL_VIOLATION,
-                    };
-                    return Err(self.reject(ErrorFields::fatal(code, e.to_string())).await);
-                }
+                Err(PqError::Protocol(e)) => return Err(self.reject(e.to_error_fields()).await),
                 Err(e) => return Err(e),
             };
             match pkt {
@@ -330,6 +322,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
     }
 
     /// Sends a whole query answer: [`Self::write_result_set`], ReadyForQuery, flush.
+    ///
+    /// The `send_*` methods buffer, then flush; if cancelled, the rest stays buffered and goes
+    /// out with the next flush (cancellation-safe in that sense).
     pub async fn send_result_set<V: AsRef<str>>(
         &mut self,
         fields: &[FieldDescription],

@@ -129,8 +129,7 @@ async fn serve(
         let cmd = match parse_command(&query) {
             Ok(c) => c,
             Err(e) => {
-                conn.send_error(ErrorFields::error(sqlstate::SYNTAX_ERROR, e.to_string()))
-                    .await?;
+                conn.send_error(e.to_error_fields()).await?;
                 continue;
             }
         };
