@@ -9,143 +9,25 @@
 
 mod pq_common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
-use pq_common::{require_pg_binary, run_with_deadline};
+use pq_common::{PgCluster, SEG_SIZE};
 use safekeeper::pq::PqError;
-use safekeeper::pq::client::{ClientConfig, ClientConn, CopyEvent};
+use safekeeper::pq::client::{ClientConn, CopyEvent};
 use safekeeper::pq::codec::BackendMessage;
 use safekeeper::pq::replication::{ReplicationMessage, StandbyMessage};
 use safekeeper::types::Lsn;
 
-const SEG_SIZE: u64 = 16 << 20;
-
-/// A throwaway PostgreSQL cluster; stopped (immediate mode) on drop.
-struct PgCluster {
-    bindir: PathBuf,
-    dir: tempfile::TempDir,
-    port: u16,
-    as_postgres: bool,
-}
-
-impl PgCluster {
-    fn data(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    fn command(&self, bin: &str) -> Command {
-        if self.as_postgres {
-            let mut c = Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(self.bindir.join(bin));
-            c
-        } else {
-            Command::new(self.bindir.join(bin))
-        }
-    }
-
-    fn run(&self, mut cmd: Command, what: &str) {
-        cmd.current_dir(self.dir.path());
-        let (ok, out, err) = run_with_deadline(cmd, Duration::from_secs(60));
-        let log = std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default();
-        assert!(ok, "{what} failed:\n{out}\n{err}\nserver log:\n{log}");
-    }
-
-    /// initdb + start on a free port. `None` (skip) when PostgreSQL is not installed.
-    fn start() -> Option<PgCluster> {
-        let initdb = require_pg_binary("initdb", "postgresql-15")?;
-        let bindir = initdb.parent().expect("bindir").to_path_buf();
-        // Only the server binaries in pg_config --bindir are usable; initdb on PATH would be a
-        // Debian wrapper, so prefer the bindir.
-        let bindir = Command::new("pg_config")
-            .arg("--bindir")
-            .output()
-            .ok()
-            .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
-            .filter(|p| p.join("pg_ctl").exists())
-            .unwrap_or(bindir);
-        let as_postgres = unsafe { libc::geteuid() } == 0;
-        let dir = tempfile::tempdir().expect("tempdir");
-        if as_postgres {
-            let st = Command::new("chown")
-                .args(["postgres:postgres"])
-                .arg(dir.path())
-                .status()
-                .expect("chown");
-            assert!(st.success(), "chown the temp dir to postgres");
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("bind")
-            .local_addr()
-            .expect("addr")
-            .port();
-        let c = PgCluster {
-            bindir,
-            dir,
-            port,
-            as_postgres,
-        };
-        let mut initdb = c.command("initdb");
-        initdb
-            .args(["-N", "--auth=trust", "-U", "postgres", "-D"])
-            .arg(c.data());
-        c.run(initdb, "initdb");
-        let mut start = c.command("pg_ctl");
-        start
-            .args(["-w", "-D"])
-            .arg(c.data())
-            .arg("-l")
-            .arg(c.dir.path().join("log"))
-            .arg("-o")
-            .arg(format!(
-                "-p {} -k {} -c listen_addresses=127.0.0.1 -c wal_level=replica \
-                 -c max_wal_senders=4 -c fsync=off -c log_replication_commands=on",
-                c.port,
-                c.dir.path().display()
-            ))
-            .arg("start");
-        c.run(start, "pg_ctl start");
-        Some(c)
-    }
-
-    fn client_config(&self) -> ClientConfig {
-        let mut cfg = ClientConfig::new("127.0.0.1", self.port, "postgres");
-        cfg.application_name = Some("pq_real_postgres".into());
-        cfg
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
-    }
-}
-
-impl Drop for PgCluster {
-    fn drop(&mut self) {
-        let mut stop = self.command("pg_ctl");
-        stop.args(["-D"])
-            .arg(self.data())
-            .args(["-m", "immediate", "stop"])
-            .current_dir(self.dir.path());
-        let _ = run_with_deadline(stop, Duration::from_secs(30));
-    }
-}
-
-fn assert_dir_gone_or_temp(p: &Path) {
-    assert!(p.starts_with(std::env::temp_dir()));
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_streams_wal_from_a_real_postgres_primary() {
-    let Some(pg) = tokio::task::spawn_blocking(PgCluster::start)
+    let Some(pg) = tokio::task::spawn_blocking(PgCluster::init_primary)
         .await
         .expect("start thread")
     else {
         return;
     };
-    assert_dir_gone_or_temp(pg.dir.path());
 
-    let mut c = ClientConn::connect(&pg.client_config())
+    let mut c = ClientConn::connect(&pg.client_config("pq_real_postgres"))
         .await
         .unwrap_or_else(|e| panic!("connect: {e}\n{}", pg.log()));
     assert!(
@@ -238,7 +120,7 @@ async fn client_streams_wal_from_a_real_postgres_primary() {
     w.terminate().await.expect("terminate");
 
     // A start point beyond the primary's WAL: the real error text comes back as a Server error.
-    let c = ClientConn::connect(&pg.client_config())
+    let c = ClientConn::connect(&pg.client_config("pq_real_postgres"))
         .await
         .expect("connect");
     let err = match c

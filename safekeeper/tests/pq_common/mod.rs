@@ -5,12 +5,14 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use safekeeper::pq::PqError;
+use safekeeper::pq::client::ClientConfig;
 use safekeeper::pq::codec::{ErrorFields, FieldDescription, FrontendMessage, sqlstate};
 use safekeeper::pq::command::{ReplicationCommand, parse_command};
 use safekeeper::pq::replication::StandbyMessage;
@@ -376,5 +378,193 @@ impl Log {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+}
+
+/// A throwaway PostgreSQL cluster in a temporary directory, run as the `postgres` user (via
+/// `runuser`) when we are root. Stopped (immediate mode) on drop, also when a test fails.
+pub struct PgCluster {
+    bindir: PathBuf,
+    pub dir: tempfile::TempDir,
+    pub port: u16,
+    as_postgres: bool,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+impl PgCluster {
+    /// A new, empty cluster directory (not initialized). `None` (skip) when PostgreSQL is
+    /// missing and `CI` is not set.
+    fn new() -> Option<PgCluster> {
+        require_pg_binary("initdb", "postgresql-15")?;
+        // The server binaries live in pg_config --bindir (not on PATH on Debian).
+        let bindir = Command::new("pg_config")
+            .arg("--bindir")
+            .output()
+            .ok()
+            .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+            .filter(|p| p.join("pg_ctl").exists())
+            .expect("pg_config --bindir holds pg_ctl");
+        let as_postgres = unsafe { libc::geteuid() } == 0;
+        let dir = tempfile::tempdir().expect("tempdir");
+        if as_postgres {
+            let st = Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(dir.path())
+                .status()
+                .expect("chown");
+            assert!(st.success(), "chown the temp dir to postgres");
+        }
+        Some(PgCluster {
+            bindir,
+            dir,
+            port: free_port(),
+            as_postgres,
+        })
+    }
+
+    pub fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn command(&self, bin: &str) -> Command {
+        let mut c = if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(self.bindir.join(bin));
+            c
+        } else {
+            Command::new(self.bindir.join(bin))
+        };
+        c.current_dir(self.dir.path());
+        c
+    }
+
+    fn run(&self, cmd: Command, what: &str) {
+        let (ok, out, err) = run_with_deadline(cmd, Duration::from_secs(90));
+        assert!(
+            ok,
+            "{what} failed:\n{out}\n{err}\nserver log:\n{}",
+            self.log()
+        );
+    }
+
+    fn pg_ctl_start(&self, extra_opts: &str) {
+        let mut start = self.command("pg_ctl");
+        start
+            .args(["-w", "-t", "60", "-D"])
+            .arg(self.data())
+            .arg("-l")
+            .arg(self.dir.path().join("log"))
+            .arg("-o")
+            .arg(format!(
+                "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off {extra_opts}",
+                self.port,
+                self.dir.path().display()
+            ))
+            .arg("start");
+        self.run(start, "pg_ctl start");
+    }
+
+    /// initdb + start a primary on a free port (wal_level=replica, replication commands logged).
+    pub fn init_primary() -> Option<PgCluster> {
+        let c = PgCluster::new()?;
+        let mut initdb = c.command("initdb");
+        initdb
+            .args(["-N", "--auth=trust", "-U", "postgres", "-D"])
+            .arg(c.data());
+        c.run(initdb, "initdb");
+        c.pg_ctl_start("-c wal_level=replica -c max_wal_senders=10 -c log_replication_commands=on");
+        Some(c)
+    }
+
+    /// A hot standby from `pg_basebackup -X none` of `primary` (so every WAL byte it replays
+    /// comes through its walreceiver), streaming from `upstream_port` with `wal_receiver_timeout`
+    /// 5 s (so missing keepalive answers show). `pg_ctl -w` returns once it is consistent.
+    pub fn start_standby(primary: &PgCluster, upstream_port: u16) -> PgCluster {
+        let c = PgCluster::new().expect("checked by the primary");
+        let mut bb = c.command("pg_basebackup");
+        bb.args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &primary.port.to_string(),
+            "-U",
+            "postgres",
+        ])
+        .args(["-X", "none", "-c", "fast", "-D"])
+        .arg(c.data());
+        c.run(bb, "pg_basebackup");
+        std::fs::write(c.data().join("standby.signal"), "").expect("standby.signal");
+        let mut conf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(c.data().join("postgresql.auto.conf"))
+            .expect("postgresql.auto.conf");
+        use std::io::Write;
+        writeln!(
+            conf,
+            "primary_conninfo = 'host=127.0.0.1 port={upstream_port} user=postgres \
+             application_name=standby1'\nhot_standby = on\nhot_standby_feedback = on\n\
+             wal_receiver_timeout = '5s'\nwal_retrieve_retry_interval = '1s'\n\
+             wal_receiver_status_interval = '1s'"
+        )
+        .expect("write conf");
+        c.pg_ctl_start("");
+        c
+    }
+
+    /// Runs SQL with psql over TCP; returns unaligned, tuples-only output.
+    pub fn psql(&self, sql: &str) -> String {
+        let mut cmd = Command::new("psql");
+        cmd.args(["-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1"])
+            .args([
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-c",
+                sql,
+            ]);
+        let (ok, out, err) = run_with_deadline(cmd, Duration::from_secs(30));
+        assert!(
+            ok,
+            "psql {sql:?} failed: {err}\nserver log:\n{}",
+            self.log()
+        );
+        out.trim().to_string()
+    }
+
+    pub fn client_config(&self, application_name: &str) -> ClientConfig {
+        let mut cfg = ClientConfig::new("127.0.0.1", self.port, "postgres");
+        cfg.application_name = Some(application_name.into());
+        cfg
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        if !self.data().join("postmaster.pid").exists() {
+            return;
+        }
+        let mut stop = self.command("pg_ctl");
+        stop.args(["-D"])
+            .arg(self.data())
+            .args(["-m", "immediate", "stop"]);
+        let _ = run_with_deadline(stop, Duration::from_secs(30));
     }
 }
