@@ -254,7 +254,8 @@ async fn real_standby_replays_wal_relayed_through_our_client_and_server() {
     assert!(
         !entries.iter().any(|e| e.starts_with("gap:")
             || e.starts_with("bad:")
-            || e.starts_with("unexpected:")),
+            || e.starts_with("unexpected:")
+            || e.starts_with("error:")),
         "{entries:?}"
     );
     assert!(entries.contains(&"startup:application_name=standby1".to_string()));
