@@ -125,8 +125,9 @@ async fn relay_connection(
                         Some(FrontendMessage::CopyDone) => {
                             up_w.send_copy_done().await?;
                         }
+                        // A walreceiver that gives up sends Terminate inside the copy.
+                        Some(FrontendMessage::Terminate) | None => break,
                         Some(other) => log.push(format!("unexpected:{other:?}")),
-                        None => break,
                     }
                 }
                 down_task.abort();
@@ -221,6 +222,20 @@ async fn real_standby_replays_wal_relayed_through_our_client_and_server() {
 
     // The walreceiver sends `h` once the standby accepts connections, at its status interval.
     log.wait_for("h").await;
+
+    // An idle period longer than the standby's wal_receiver_timeout (5 s): its reply requests
+    // and the primary's keepalives cross the relay, so the standby does not reconnect.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let starts = log
+        .entries()
+        .iter()
+        .filter(|e| e.starts_with("Q:START_REPLICATION"))
+        .count();
+    assert_eq!(starts, 1, "the standby reconnected: {:?}", log.entries());
+    assert!(
+        log.entries().iter().any(|e| e == "k"),
+        "keepalives went down"
+    );
     let entries = log.entries();
     let queries: Vec<_> = entries.iter().filter(|e| e.starts_with("Q:")).collect();
     assert_eq!(
