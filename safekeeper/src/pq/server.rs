@@ -382,7 +382,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
             ServerReader {
                 stream: r,
                 read_buf: self.read_buf,
-                max_message_size: self.config.max_message_size,
                 config: self.config,
             },
             ServerWriter {
@@ -413,7 +412,6 @@ fn msg_name(m: &FrontendMessage) -> &'static str {
 pub struct ServerReader<R> {
     stream: R,
     read_buf: BytesMut,
-    max_message_size: usize,
     config: ServerConfig,
 }
 
@@ -426,7 +424,7 @@ impl<R: AsyncRead + Unpin> ServerReader<R> {
         read_frame(
             &mut self.stream,
             &mut self.read_buf,
-            self.max_message_size,
+            self.config.max_message_size,
             codec::decode_frontend,
         )
         .await
