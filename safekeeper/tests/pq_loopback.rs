@@ -387,7 +387,10 @@ async fn copy_both_streams_wal_and_feedback_both_ways() {
         r.read_message().await.expect("tail"),
         BackendMessage::ReadyForQuery(_)
     ));
-    w.terminate().await.expect("terminate");
+    // Back in query mode on the same connection.
+    let c = r.unsplit(w);
+    assert_eq!(c.parameter("integer_datetimes"), Some("on"));
+    c.close().await.expect("terminate");
     srv.log.wait_for("after copy:Terminate").await;
     let log = srv.log.entries();
     assert!(log.contains(&format!("r:{wal_end}/{wal_end}")), "{log:?}");

@@ -293,6 +293,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
                 read_buf: self.read_buf,
                 max_message_size: self.max_message_size,
                 done: false,
+                parameters: self.parameters,
+                backend_key: self.backend_key,
             },
             CopyBothWriter {
                 stream: w,
@@ -328,6 +330,9 @@ pub struct CopyBothReader<R> {
     read_buf: BytesMut,
     max_message_size: usize,
     done: bool,
+    /// Kept for [`CopyBothReader::unsplit`].
+    parameters: Vec<(String, String)>,
+    backend_key: Option<(i32, i32)>,
 }
 
 impl<R: AsyncRead + Unpin> CopyBothReader<R> {
@@ -372,6 +377,23 @@ impl<R: AsyncRead + Unpin> CopyBothReader<R> {
     /// Whether the server has sent CopyDone.
     pub fn server_done(&self) -> bool {
         self.done
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> CopyBothReader<ReadHalf<S>> {
+    /// Joins the halves again, in query mode; call it once both sides have sent CopyDone and
+    /// the server's ReadyForQuery has been read with [`Self::read_message`].
+    ///
+    /// Panics if `writer` is not this reader's other half.
+    pub fn unsplit(self, writer: CopyBothWriter<WriteHalf<S>>) -> ClientConn<S> {
+        ClientConn {
+            stream: self.stream.unsplit(writer.stream),
+            read_buf: self.read_buf,
+            write_buf: writer.write_buf,
+            max_message_size: self.max_message_size,
+            parameters: self.parameters,
+            backend_key: self.backend_key,
+        }
     }
 }
 
