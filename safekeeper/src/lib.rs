@@ -5,11 +5,13 @@
 //!    a decoder), [`protocol`] (neon's proposer/acceptor protocol v3);
 //! 2. consensus core (pure): [`safekeeper`] (`SafeKeeper::process_msg`), over [`state`];
 //! 3. storage: [`storage`] (control file, WAL segments, in-memory fakes);
-//! 4. network and tasks (tokio); 5. HTTP: [`http`].
+//! 4. network and tasks (tokio): [`pq`] (our PostgreSQL wire protocol, server and client);
+//! 5. HTTP: [`http`].
 
 pub mod config;
 pub mod daemon;
 pub mod http;
+pub mod pq;
 pub mod protocol;
 pub mod safekeeper;
 pub mod state;

@@ -1,0 +1,54 @@
+//! Buffered frame reading and writing shared by [`super::server`] and [`super::client`].
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::{PqError, ProtocolError};
+
+/// How much free room to keep in a read buffer before each read.
+const READ_CHUNK: usize = 8192;
+
+/// Reads until `decode` yields a message. `Ok(None)`: clean EOF at a message boundary.
+///
+/// Cancellation-safe: the only await is `read_buf`, which either appends bytes to `buf` or
+/// does nothing; whatever arrived stays in `buf` for the next call.
+pub(crate) async fn read_frame<R, T>(
+    r: &mut R,
+    buf: &mut BytesMut,
+    max: usize,
+    decode: impl Fn(&mut BytesMut, usize) -> Result<Option<T>, ProtocolError>,
+) -> Result<Option<T>, PqError>
+where
+    R: AsyncRead + Unpin,
+{
+    loop {
+        if let Some(m) = decode(buf, max)? {
+            return Ok(Some(m));
+        }
+        if buf.capacity() - buf.len() < READ_CHUNK / 2 {
+            buf.reserve(READ_CHUNK);
+        }
+        if r.read_buf(buf).await? == 0 {
+            return if buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(PqError::ConnectionClosed)
+            };
+        }
+    }
+}
+
+/// Writes all of `buf` and flushes the stream.
+///
+/// Cancellation-safe: `write_all_buf` advances `buf` past what was written, so a later call
+/// continues where a cancelled one stopped.
+pub(crate) async fn flush_buf<W>(w: &mut W, buf: &mut BytesMut) -> Result<(), PqError>
+where
+    W: AsyncWrite + Unpin,
+{
+    if !buf.is_empty() {
+        w.write_all_buf(buf).await?;
+    }
+    w.flush().await?;
+    Ok(())
+}
