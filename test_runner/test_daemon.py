@@ -55,7 +55,10 @@ def test_datadir_lock_refuses_second_daemon(safekeeper):
 
 def test_help_lists_flags():
     out = subprocess.run(
-        [str(Safekeeper(datadir=None).binary), "--help"], capture_output=True, text=True, check=True
+        [str(Safekeeper(datadir=None).binary), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     for flag in ["--id", "--datadir", "--listen-pg", "--listen-http", "--no-sync"]:
         assert flag in out

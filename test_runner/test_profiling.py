@@ -45,9 +45,7 @@ def http_load(sk: Safekeeper, threads: int = 2):
 
 def go_pprof(*args: str) -> str:
     go = require("go", "golang-go")
-    out = subprocess.run(
-        [go, "tool", "pprof", *args], capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([go, "tool", "pprof", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"go tool pprof {args} failed:\n{out.stderr}"
     return out.stdout
 
@@ -75,7 +73,11 @@ def test_cpu_pprof_is_symbolized_with_deep_stacks(safekeeper, tmp_path):
 
     # Deep stacks: frames from our crates sit under tokio's runtime frames, not 1-2 frame stacks.
     traces = go_pprof("-traces", str(tmp_path / "cpu.pb.gz"))
-    stacks = [s for s in traces.split("-----------+-------------------------------------------------------") if s.strip()]
+    stacks = [
+        s
+        for s in traces.split("-----------+-------------------------------------------------------")
+        if s.strip()
+    ]
     ours = [
         s
         for s in stacks
@@ -83,7 +85,9 @@ def test_cpu_pprof_is_symbolized_with_deep_stacks(safekeeper, tmp_path):
         and "tokio::runtime" in s
     ]
     assert ours, f"no stack shows our handlers under tokio's runtime:\n{traces[:4000]}"
-    depth = max(len([ln for ln in s.splitlines() if ln.strip() and "bytes:" not in ln]) for s in ours)
+    depth = max(
+        len([ln for ln in s.splitlines() if ln.strip() and "bytes:" not in ln]) for s in ours
+    )
     assert depth >= 10, f"deepest stack through our code has only {depth} frames"
 
 

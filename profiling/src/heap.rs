@@ -13,10 +13,13 @@ use anyhow::Context;
 use axum::extract::Query;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use jemalloc_pprof::{FlamegraphOptions, StackProfile, WeightedStack};
+use jemalloc_pprof::{StackProfile, WeightedStack};
+use pprof::protos::Message;
 
+use crate::cpu::gzip;
 use crate::error::{ProfileError, parse_bounded, parse_choice, reject_unknown};
 use crate::metrics::{Outcome, record};
+use crate::symbolize;
 
 pub(crate) async fn handler(Query(params): Query<HashMap<String, String>>) -> Response {
     let result = profile(params).await;
@@ -59,16 +62,15 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
             let body = blocking(move || {
                 let mut ctl = ctl.blocking_lock();
                 check_active(&ctl)?;
-                Ok(match format {
-                    "pprof" => ctl.dump_pprof().context("heap pprof dump")?,
-                    "svg" => ctl.dump_flamegraph().context("heap flamegraph")?,
-                    _ => {
-                        let mut f = ctl.dump().context("jemalloc heap dump")?;
-                        let mut raw = Vec::new();
-                        f.read_to_end(&mut raw).context("reading the heap dump")?;
-                        raw
-                    }
-                })
+                if format == "jemalloc" {
+                    let mut f = ctl.dump().context("jemalloc heap dump")?;
+                    let mut raw = Vec::new();
+                    f.read_to_end(&mut raw).context("reading the heap dump")?;
+                    return Ok(raw);
+                }
+                let profile = ctl.dump_profile().context("heap dump")?;
+                drop(ctl);
+                render(&profile, format, "inuse_space")
             })
             .await?;
             (body, None)
@@ -87,15 +89,7 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
             let after = dump().await?;
             let body = blocking(move || {
                 let delta = growth(&before, after);
-                Ok(match format {
-                    "svg" => {
-                        let mut opts = FlamegraphOptions::default();
-                        opts.title = format!("inuse_space growth over {secs} s");
-                        opts.count_name = "bytes".to_string();
-                        delta.to_flamegraph(&mut opts).context("delta flamegraph")?
-                    }
-                    _ => delta.to_pprof(("inuse_space", "bytes"), ("space", "bytes"), None),
-                })
+                render(&delta, format, &format!("inuse_space growth over {secs} s"))
             })
             .await?;
             (body, Some(secs))
@@ -128,6 +122,26 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
         );
     }
     Ok(resp)
+}
+
+/// Symbolizes a stack profile and renders it as gzipped pprof or an SVG flamegraph.
+fn render(profile: &StackProfile, format: &str, title: &str) -> Result<Vec<u8>, ProfileError> {
+    match format {
+        "svg" => {
+            let lines = symbolize::to_folded(profile);
+            let mut opts = pprof::flamegraph::Options::default();
+            opts.title = title.to_string();
+            opts.count_name = "bytes".to_string();
+            let mut svg = Vec::new();
+            pprof::flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut svg)
+                .context("rendering the heap flamegraph")?;
+            Ok(svg)
+        }
+        _ => {
+            let proto = symbolize::to_pprof(profile, ("inuse_space", "bytes"));
+            Ok(gzip(&proto.encode_to_vec())?)
+        }
+    }
 }
 
 fn check_active(ctl: &jemalloc_pprof::JemallocProfCtl) -> Result<(), ProfileError> {

@@ -33,6 +33,7 @@ mod cpu;
 mod error;
 mod heap;
 mod metrics;
+mod symbolize;
 
 use axum::Router;
 use axum::routing::get;
