@@ -246,7 +246,10 @@ def test_frequency_above_kernel_tick_is_clamped_and_said(safekeeper):
 
 def test_repeated_cpu_profiles_do_not_ratchet_memory(safekeeper):
     with http_load(safekeeper, threads=1):
-        fetch_ok = lambda: requests.get(f"{safekeeper.http}/profile/cpu?seconds=1", timeout=30)  # noqa: E731
+
+        def fetch_ok():
+            return requests.get(f"{safekeeper.http}/profile/cpu?seconds=1", timeout=30)
+
         assert fetch_ok().status_code == 200
         time.sleep(1)
         after_first = safekeeper.rss_bytes()
