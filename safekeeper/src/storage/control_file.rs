@@ -1,1 +1,496 @@
-//! See storage/mod.rs.
+//! The control file (`safekeeper.control`): the file implementation of [`ControlStore`].
+//!
+//! Format (mini-safekeeper's own, little-endian): `u32 magic 0xcafeceef`, `u32 format version`,
+//! the [`TimelinePersistentState`] body (layout in [`encode`]), and a `u32` CRC-32C of all
+//! preceding bytes. Loading checks magic, version and checksum (in that order of bytes, the
+//! checksum before any body field is trusted) and refuses a mismatch with
+//! [`Error::Corruption`] naming the file. Decoding is total and bounded: every length is checked
+//! against the bytes left before anything is allocated.
+//!
+//! Persisting replaces the file atomically: write `safekeeper.control.partial`, fsync it,
+//! rename it over `safekeeper.control`, fsync the directory. A crash leaves the old or the new
+//! state, never a mix.
+//!
+//! Not here: when to persist (the consensus core decides), in-memory overlays of LSNs, and
+//! timeline directory creation.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
+
+use super::durable::{SyncKind, durable_rename, fsync_or_abort};
+use super::{ControlStore, Error, Result};
+use crate::state::{
+    AcceptorState, Configuration, SafekeeperId, ServerInfo, TimelinePersistentState,
+};
+use crate::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
+
+/// File name of the control file inside a timeline directory.
+pub const CONTROL_FILE_NAME: &str = "safekeeper.control";
+/// Temporary name the new state is written under before the rename.
+pub const CONTROL_FILE_TMP_NAME: &str = "safekeeper.control.partial";
+/// First four bytes of every control file.
+pub const CONTROL_FILE_MAGIC: u32 = 0xcafe_ceef;
+/// Version of the layout described in [`encode`].
+pub const CONTROL_FILE_FORMAT_VERSION: u32 = 1;
+/// Larger files are refused before being read.
+pub const MAX_CONTROL_FILE_SIZE: u64 = 1 << 20;
+
+const HEADER_LEN: usize = 8;
+const CRC_LEN: usize = 4;
+
+/// Serializes `state` into a complete control file image.
+///
+/// Body layout: `[16] tenant_id`, `[16] timeline_id`; mconf = `u32 generation`, members,
+/// `u8 has_new_members` (0/1) then new members if 1, where a member list is `u32 n` then n ×
+/// (`u64 id`, `u32 host_len`, host UTF-8, `u16 pg_port`); acceptor state = `u64 term`, `u32 n`,
+/// n × (`u64 term`, `u64 lsn`); server = `u32 pg_version`, `u64 system_id`, `u32 wal_seg_size`;
+/// `u64` timeline_start_lsn, local_start_lsn, commit_lsn, peer_horizon_lsn,
+/// remote_consistent_lsn; `u64 creation_ts`.
+pub fn encode(state: &TimelinePersistentState) -> Vec<u8> {
+    let mut b = Vec::with_capacity(256);
+    b.extend_from_slice(&CONTROL_FILE_MAGIC.to_le_bytes());
+    b.extend_from_slice(&CONTROL_FILE_FORMAT_VERSION.to_le_bytes());
+    b.extend_from_slice(&state.tenant_id.0);
+    b.extend_from_slice(&state.timeline_id.0);
+    b.extend_from_slice(&state.mconf.generation.0.to_le_bytes());
+    encode_members(&mut b, &state.mconf.members);
+    match &state.mconf.new_members {
+        None => b.push(0),
+        Some(m) => {
+            b.push(1);
+            encode_members(&mut b, m);
+        }
+    }
+    b.extend_from_slice(&state.acceptor_state.term.0.to_le_bytes());
+    let hist = &state.acceptor_state.term_history.0;
+    b.extend_from_slice(&(hist.len() as u32).to_le_bytes());
+    for e in hist {
+        b.extend_from_slice(&e.term.0.to_le_bytes());
+        b.extend_from_slice(&e.lsn.0.to_le_bytes());
+    }
+    b.extend_from_slice(&state.server.pg_version.to_le_bytes());
+    b.extend_from_slice(&state.server.system_id.to_le_bytes());
+    b.extend_from_slice(&state.server.wal_seg_size.to_le_bytes());
+    for lsn in [
+        state.timeline_start_lsn,
+        state.local_start_lsn,
+        state.commit_lsn,
+        state.peer_horizon_lsn,
+        state.remote_consistent_lsn,
+    ] {
+        b.extend_from_slice(&lsn.0.to_le_bytes());
+    }
+    b.extend_from_slice(&state.creation_ts.to_le_bytes());
+    let crc = crc32c::crc32c(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    b
+}
+
+fn encode_members(b: &mut Vec<u8>, members: &[SafekeeperId]) {
+    b.extend_from_slice(&(members.len() as u32).to_le_bytes());
+    for m in members {
+        b.extend_from_slice(&m.id.0.to_le_bytes());
+        b.extend_from_slice(&(m.host.len() as u32).to_le_bytes());
+        b.extend_from_slice(m.host.as_bytes());
+        b.extend_from_slice(&m.pg_port.to_le_bytes());
+    }
+}
+
+/// A bounded little-endian reader over the body; errors are reasons.
+struct Reader<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], String> {
+        if n > self.b.len() {
+            return Err(format!("truncated: need {n} bytes, {} left", self.b.len()));
+        }
+        let (head, tail) = self.b.split_at(n);
+        self.b = tail;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> std::result::Result<[u8; N], String> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self) -> std::result::Result<u8, String> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> std::result::Result<u16, String> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> std::result::Result<u32, String> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> std::result::Result<u64, String> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// A count of entries at least `min_entry` bytes each, checked against the bytes left.
+    fn count(&mut self, min_entry: usize, what: &str) -> std::result::Result<usize, String> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_entry) > self.b.len() {
+            return Err(format!("{what} count {n} exceeds the file"));
+        }
+        Ok(n)
+    }
+
+    fn members(&mut self) -> std::result::Result<Vec<SafekeeperId>, String> {
+        let n = self.count(8 + 4 + 2, "member")?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = NodeId(self.u64()?);
+            let len = self.u32()? as usize;
+            let host = std::str::from_utf8(self.take(len)?)
+                .map_err(|_| "member host is not UTF-8".to_string())?
+                .to_string();
+            let pg_port = self.u16()?;
+            out.push(SafekeeperId { id, host, pg_port });
+        }
+        Ok(out)
+    }
+}
+
+/// Parses a control file image read from `file` (named in errors).
+pub fn decode(bytes: &[u8], file: &Path) -> Result<TimelinePersistentState> {
+    let corrupt = |reason: String| Error::Corruption {
+        file: file.display().to_string(),
+        reason,
+    };
+    if bytes.len() < HEADER_LEN + CRC_LEN {
+        return Err(corrupt(format!(
+            "control file too short ({} bytes)",
+            bytes.len()
+        )));
+    }
+    let (magic, rest) = bytes.split_at(4);
+    let magic = u32::from_le_bytes(magic.try_into().expect("split at 4"));
+    if magic != CONTROL_FILE_MAGIC {
+        return Err(corrupt(format!("bad magic {magic:#010x}")));
+    }
+    let version = u32::from_le_bytes(rest[..4].try_into().expect("length checked above"));
+    if version != CONTROL_FILE_FORMAT_VERSION {
+        return Err(corrupt(format!(
+            "unsupported format version {version} (this build reads {CONTROL_FILE_FORMAT_VERSION})"
+        )));
+    }
+    let (data, crc) = bytes.split_at(bytes.len() - CRC_LEN);
+    let stored = u32::from_le_bytes(crc.try_into().expect("split at len - 4"));
+    let computed = crc32c::crc32c(data);
+    if stored != computed {
+        return Err(corrupt(format!(
+            "control file checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"
+        )));
+    }
+    decode_body(&data[HEADER_LEN..]).map_err(corrupt)
+}
+
+fn decode_body(body: &[u8]) -> std::result::Result<TimelinePersistentState, String> {
+    let mut r = Reader { b: body };
+    let tenant_id = TenantId(r.array()?);
+    let timeline_id = TimelineId(r.array()?);
+    let generation = Generation(r.u32()?);
+    let members = r.members()?;
+    let new_members = match r.u8()? {
+        0 => None,
+        1 => Some(r.members()?),
+        t => return Err(format!("bad new_members tag {t}")),
+    };
+    let term = Term(r.u64()?);
+    let n = r.count(16, "term history")?;
+    let mut hist = Vec::with_capacity(n);
+    for _ in 0..n {
+        hist.push(TermLsn {
+            term: Term(r.u64()?),
+            lsn: Lsn(r.u64()?),
+        });
+    }
+    let server = ServerInfo {
+        pg_version: r.u32()?,
+        system_id: r.u64()?,
+        wal_seg_size: r.u32()?,
+    };
+    let mut lsn = || r.u64().map(Lsn);
+    let (timeline_start_lsn, local_start_lsn, commit_lsn, peer_horizon_lsn, remote_consistent_lsn) =
+        (lsn()?, lsn()?, lsn()?, lsn()?, lsn()?);
+    let creation_ts = r.u64()?;
+    if !r.b.is_empty() {
+        return Err(format!("{} trailing bytes", r.b.len()));
+    }
+    Ok(TimelinePersistentState {
+        tenant_id,
+        timeline_id,
+        mconf: Configuration {
+            generation,
+            members,
+            new_members,
+        },
+        acceptor_state: AcceptorState {
+            term,
+            term_history: TermHistory(hist),
+        },
+        server,
+        timeline_start_lsn,
+        local_start_lsn,
+        commit_lsn,
+        peer_horizon_lsn,
+        remote_consistent_lsn,
+        creation_ts,
+    })
+}
+
+/// The control file of one timeline directory.
+///
+/// Invariant: `state` equals what the file on disk holds (it is updated only after a
+/// successful, durable persist).
+#[derive(Debug)]
+pub struct FileControlStore {
+    dir: PathBuf,
+    state: TimelinePersistentState,
+    /// Skip fsyncs (tests only).
+    no_sync: bool,
+}
+
+impl FileControlStore {
+    /// Creates the control file of a new timeline in `dir` (which must exist) holding `state`.
+    /// Refuses to overwrite an existing control file.
+    pub fn create_new(
+        dir: impl Into<PathBuf>,
+        state: TimelinePersistentState,
+        no_sync: bool,
+    ) -> Result<FileControlStore> {
+        let dir = dir.into();
+        let path = dir.join(CONTROL_FILE_NAME);
+        if path.exists() {
+            return Err(Error::Rejected(format!(
+                "control file {} already exists",
+                path.display()
+            )));
+        }
+        write_durably(&dir, &state, no_sync)?;
+        Ok(FileControlStore {
+            dir,
+            state,
+            no_sync,
+        })
+    }
+
+    /// Loads and verifies the control file in `dir`.
+    pub fn load(dir: impl Into<PathBuf>, no_sync: bool) -> Result<FileControlStore> {
+        let dir = dir.into();
+        let path = dir.join(CONTROL_FILE_NAME);
+        let f =
+            File::open(&path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let mut bytes = Vec::new();
+        f.take(MAX_CONTROL_FILE_SIZE + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        if bytes.len() as u64 > MAX_CONTROL_FILE_SIZE {
+            return Err(Error::Corruption {
+                file: path.display().to_string(),
+                reason: format!("larger than {MAX_CONTROL_FILE_SIZE} bytes"),
+            });
+        }
+        let state = decode(&bytes, &path)?;
+        Ok(FileControlStore {
+            dir,
+            state,
+            no_sync,
+        })
+    }
+
+    /// Path of the control file.
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(CONTROL_FILE_NAME)
+    }
+}
+
+/// Writes `state` to the temporary file, syncs it and renames it over the control file durably.
+fn write_durably(dir: &Path, state: &TimelinePersistentState, no_sync: bool) -> Result<()> {
+    let tmp = dir.join(CONTROL_FILE_TMP_NAME);
+    let path = dir.join(CONTROL_FILE_NAME);
+    let bytes = encode(state);
+    let mut f =
+        File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+    f.write_all(&bytes)
+        .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    if !no_sync {
+        // The new state is durable under the temporary name before it replaces the old one.
+        fsync_or_abort(&f, &tmp, SyncKind::All);
+    }
+    drop(f);
+    // The rename is durable (directory fsynced) before persist returns.
+    durable_rename(&tmp, &path, dir, no_sync)
+}
+
+impl Deref for FileControlStore {
+    type Target = TimelinePersistentState;
+
+    fn deref(&self) -> &TimelinePersistentState {
+        &self.state
+    }
+}
+
+impl ControlStore for FileControlStore {
+    fn persist(&mut self, state: &TimelinePersistentState) -> Result<()> {
+        write_durably(&self.dir, state, self.no_sync)?;
+        self.state = state.clone();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> TimelinePersistentState {
+        let member = |id: u64, host: &str| SafekeeperId {
+            id: NodeId(id),
+            host: host.to_string(),
+            pg_port: 5454 + id as u16,
+        };
+        let mut s = TimelinePersistentState::new(
+            "de200bd42b49cc1814412c7e592dd6e9".parse().unwrap(),
+            "0123456789abcdef0123456789abcdef".parse().unwrap(),
+            Configuration {
+                generation: Generation(3),
+                members: vec![member(1, "sk-1"), member(2, "sk-2.example"), member(3, "")],
+                new_members: Some(vec![member(4, "sk-4")]),
+            },
+            ServerInfo {
+                pg_version: 150_018,
+                system_id: 0x7351_2345_6789_abcd,
+                wal_seg_size: 16 << 20,
+            },
+            1_764_400_000,
+        );
+        s.acceptor_state = AcceptorState {
+            term: Term(7),
+            term_history: TermHistory(vec![
+                TermLsn {
+                    term: Term(0),
+                    lsn: Lsn(0x149_F0D8),
+                },
+                TermLsn {
+                    term: Term(5),
+                    lsn: Lsn(0x200_0000),
+                },
+            ]),
+        };
+        s.timeline_start_lsn = Lsn(0x149_F0D8);
+        s.local_start_lsn = Lsn(0x149_F0D8);
+        s.commit_lsn = Lsn(0x300_0028);
+        s.peer_horizon_lsn = Lsn(0x250_0000);
+        s.remote_consistent_lsn = Lsn(0x240_0000);
+        s
+    }
+
+    #[test]
+    fn control_file_round_trips() {
+        let s = sample();
+        let bytes = encode(&s);
+        assert_eq!(decode(&bytes, Path::new("x")).unwrap(), s);
+        let mut empty = s.clone();
+        empty.mconf = Configuration::default();
+        empty.acceptor_state = AcceptorState::default();
+        assert_eq!(decode(&encode(&empty), Path::new("x")).unwrap(), empty);
+    }
+
+    #[test]
+    fn persisted_state_survives_reload() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = sample();
+        let mut store = FileControlStore::create_new(dir.path(), s.clone(), false).unwrap();
+        assert_eq!(*store, s);
+        assert!(FileControlStore::create_new(dir.path(), s.clone(), false).is_err());
+        s.acceptor_state.term = Term(8);
+        s.commit_lsn = Lsn(0x400_0000);
+        store.persist(&s).unwrap();
+        assert_eq!(*store, s);
+        assert!(!dir.path().join(CONTROL_FILE_TMP_NAME).exists());
+        let loaded = FileControlStore::load(dir.path(), false).unwrap();
+        assert_eq!(*loaded, s);
+    }
+
+    #[test]
+    fn every_single_bit_flip_is_detected() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = sample();
+        let store = FileControlStore::create_new(dir.path(), s, true).unwrap();
+        let path = store.path();
+        let pristine = std::fs::read(&path).unwrap();
+        for bit in 0..pristine.len() * 8 {
+            let mut b = pristine.clone();
+            b[bit / 8] ^= 1 << (bit % 8);
+            std::fs::write(&path, &b).unwrap();
+            match FileControlStore::load(dir.path(), true) {
+                Err(Error::Corruption { file, .. }) => {
+                    assert_eq!(file, path.display().to_string(), "bit {bit}")
+                }
+                other => panic!("bit {bit}: flip not detected: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn truncated_or_overlong_files_are_refused_with_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileControlStore::create_new(dir.path(), sample(), true).unwrap();
+        let path = store.path();
+        let pristine = std::fs::read(&path).unwrap();
+        for len in 0..pristine.len() {
+            std::fs::write(&path, &pristine[..len]).unwrap();
+            let err = FileControlStore::load(dir.path(), true).unwrap_err();
+            assert!(
+                err.to_string().contains(&path.display().to_string()),
+                "{err}"
+            );
+        }
+        let mut long = pristine.clone();
+        long.extend_from_slice(&[0; 4]);
+        std::fs::write(&path, &long).unwrap();
+        assert!(matches!(
+            FileControlStore::load(dir.path(), true),
+            Err(Error::Corruption { .. })
+        ));
+    }
+
+    #[test]
+    fn bogus_counts_with_a_valid_checksum_are_refused_without_allocating() {
+        // A body claiming u32::MAX members, correctly checksummed: refused, not allocated.
+        let mut b = Vec::new();
+        b.extend_from_slice(&CONTROL_FILE_MAGIC.to_le_bytes());
+        b.extend_from_slice(&CONTROL_FILE_FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&[0; 32]);
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&u32::MAX.to_le_bytes());
+        let crc = crc32c::crc32c(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        let err = decode(&b, Path::new("/x/safekeeper.control")).unwrap_err();
+        assert!(err.to_string().contains("member count"), "{err}");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_bytes_never_panic_the_control_file_decoder(
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+        ) {
+            let mut b = Vec::new();
+            b.extend_from_slice(&CONTROL_FILE_MAGIC.to_le_bytes());
+            b.extend_from_slice(&CONTROL_FILE_FORMAT_VERSION.to_le_bytes());
+            b.extend_from_slice(&body);
+            let crc = crc32c::crc32c(&b);
+            b.extend_from_slice(&crc.to_le_bytes());
+            let _ = decode(&b, Path::new("x"));
+        }
+    }
+}

@@ -12,6 +12,7 @@
 //!   more than is durable.
 
 pub mod control_file;
+pub mod durable;
 pub mod mem;
 pub mod wal_file;
 

@@ -1,1 +1,1028 @@
-//! See storage/mod.rs.
+//! WAL segments on disk: the file implementation of [`WalStore`], start-up recovery
+//! ([`find_end_of_wal`]) and reading WAL back for walsenders ([`WalReader`]).
+//!
+//! Layout (as neon's safekeeper): one directory per timeline holding PostgreSQL-named segment
+//! files (`%08X%08X%08X`, timeline 1). The segment being written carries a `.partial` suffix;
+//! completed segments have the plain name. Every segment file is always `seg_size` bytes long:
+//! it is created full-size (sparse, via `set_len`) under the temporary name `waltmp`, fsynced, and
+//! renamed in durably, so later appends only need `fdatasync`. The end of WAL is therefore found
+//! by decoding records, never from file sizes.
+//!
+//! LSNs kept (reference §4.2): `write_lsn` (bytes handed to the OS) >= `write_record_lsn` (end of
+//! the last complete record written) >= `flush_record_lsn` (end of the last complete record that
+//! is durable: what [`WalStore::flush_lsn`] reports). Every written byte goes through a
+//! [`WalStreamDecoder`] to find record boundaries; a write that does not decode is refused
+//! before it touches the disk.
+//!
+//! Not here: deciding what to write or truncate (the consensus core), when to flush (the
+//! `WalAcceptor`), the control file ([`super::control_file`]), or which segments may be removed
+//! (the caller passes the horizon to [`WalFileStore::remove_segments_up_to`]).
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::durable::{SyncKind, durable_rename, fsync_dir, fsync_or_abort};
+use super::{Error, Result, WalStore};
+use crate::types::Lsn;
+use crate::wal::WalStreamDecoder;
+use crate::wal::format::{
+    PG_TLI, PageHeader, XLOG_PAGE_MAGIC, is_valid_seg_size, parse_xlog_file_name, xlog_file_name,
+};
+use crate::wal::generator::first_segment_image;
+
+/// Temporary name of a segment being created.
+pub const TMP_SEGMENT_NAME: &str = "waltmp";
+/// Suffix of the segment being written.
+pub const PARTIAL_SUFFIX: &str = ".partial";
+/// Bytes read per call while recovering.
+const RECOVERY_READ_CHUNK: usize = 128 << 10;
+
+/// Options of a [`WalFileStore`].
+#[derive(Clone, Debug, Default)]
+pub struct WalFileOptions {
+    /// Skip every fsync. For tests only: nothing is durable.
+    pub no_sync: bool,
+    /// System identifier written into the long page header by
+    /// [`WalStore::initialize_first_segment`] (0 when unknown).
+    pub system_id: u64,
+    /// Where this safekeeper's WAL begins (the control file's `local_start_lsn`), or
+    /// [`Lsn::INVALID`] if unknown. When valid, start-up also checks that the page holding the
+    /// last byte below `commit_lsn` is present.
+    pub wal_start_lsn: Lsn,
+    /// Create segments (and zero truncated tails) by writing real zeros instead of the default
+    /// sparse `set_len`. Costs a full segment write per segment, but appends then overwrite
+    /// allocated blocks, so their `fdatasync` needs no block allocation (see the
+    /// `write_flush` bench for the trade-off on a given filesystem).
+    pub zero_fill: bool,
+}
+
+/// Path of segment `segno` in `dir`, plain or `.partial`.
+pub fn segment_path(dir: &Path, segno: u64, seg_size: u64, partial: bool) -> PathBuf {
+    let mut name = xlog_file_name(PG_TLI, segno, seg_size);
+    if partial {
+        name.push_str(PARTIAL_SUFFIX);
+    }
+    dir.join(name)
+}
+
+/// Opens segment `segno` for reading and writing, `.partial` first, then the plain name.
+/// Returns the file and whether it is the `.partial` one; `None` if neither exists.
+fn open_segment(dir: &Path, segno: u64, seg_size: u64) -> Result<Option<(File, PathBuf, bool)>> {
+    for partial in [true, false] {
+        let path = segment_path(dir, segno, seg_size, partial);
+        match OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(f) => return Ok(Some((f, path, partial))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
+        }
+    }
+    Ok(None)
+}
+
+/// Opens segment `segno` read-only, `.partial` first, then the plain name.
+fn open_segment_ro(dir: &Path, segno: u64, seg_size: u64) -> Result<Option<(File, PathBuf)>> {
+    for partial in [true, false] {
+        let path = segment_path(dir, segno, seg_size, partial);
+        match File::open(&path) {
+            Ok(f) => return Ok(Some((f, path))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
+        }
+    }
+    Ok(None)
+}
+
+/// Zero-filled 1 MiB block for [`write_zeros`].
+const ZEROS_LEN: usize = 1 << 20;
+
+/// Writes real zeros over `[from, to)` of `f` (allocating the blocks, unlike `set_len`).
+fn write_zeros(f: &File, from: u64, to: u64) -> std::io::Result<()> {
+    let zeros = vec![0u8; ZEROS_LEN.min((to - from) as usize)];
+    let mut off = from;
+    while off < to {
+        let n = ((to - off) as usize).min(zeros.len());
+        f.write_all_at(&zeros[..n], off)?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// Creates segment `segno` as a zero-filled, full-size `.partial` file, durably.
+fn create_segment(
+    dir: &Path,
+    segno: u64,
+    seg_size: u64,
+    opts: &WalFileOptions,
+) -> Result<(File, PathBuf)> {
+    let tmp = dir.join(TMP_SEGMENT_NAME);
+    let path = segment_path(dir, segno, seg_size, true);
+    let result = (|| {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+        if opts.zero_fill {
+            write_zeros(&f, 0, seg_size)
+        } else {
+            f.set_len(seg_size)
+        }
+        .map_err(|e| Error::io(format!("sizing {}", tmp.display()), e))?;
+        if !opts.no_sync {
+            // The segment is durable at full size before it is renamed in: later appends
+            // change no file size, so fdatasync is enough for them.
+            fsync_or_abort(&f, &tmp, SyncKind::All);
+        }
+        durable_rename(&tmp, &path, dir, opts.no_sync)?;
+        Ok(f)
+    })();
+    match result {
+        Ok(f) => Ok((f, path)),
+        Err(e) => {
+            // Leave no half-made segment behind (e.g. after ENOSPC).
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Start-up recovery: the end of the last valid record of the WAL in `dir`, decoding from the
+/// record boundary `start` (the persisted `commit_lsn`). Decoding stops at the first invalid
+/// page header or record, a missing segment or a short file.
+///
+/// The result is below `start` when WAL that must precede `start` is missing: the segment
+/// holding `start` is absent (and `start` is not its first byte), or, when `wal_start` is valid
+/// and below `start`, the page holding the byte before `start` has no valid header. Then the
+/// returned LSN is the start of the missing segment or page.
+pub fn find_end_of_wal(dir: &Path, seg_size: u64, start: Lsn, wal_start: Lsn) -> Result<Lsn> {
+    if !is_valid_seg_size(seg_size) {
+        return Err(Error::Rejected(format!(
+            "invalid WAL segment size {seg_size}"
+        )));
+    }
+    if wal_start.is_valid() && start > wal_start {
+        let probe = Lsn(start.0 - 1);
+        let probe_seg = probe.segment_number(seg_size);
+        let Some((f, path)) = open_segment_ro(dir, probe_seg, seg_size)? else {
+            return Ok(probe.segment_start(seg_size));
+        };
+        let mut hdr = [0u8; 24];
+        let page = probe.page_start();
+        let ok = f
+            .read_exact_at(&mut hdr, page.segment_offset(seg_size))
+            .ok()
+            .and_then(|()| PageHeader::decode(&hdr))
+            .is_some_and(|h| h.magic == XLOG_PAGE_MAGIC && h.pageaddr == page);
+        if !ok {
+            tracing::warn!(file = %path.display(), %page, "no valid page header below the start of recovery");
+            return Ok(page);
+        }
+    }
+    let mut decoder = WalStreamDecoder::new(start, seg_size);
+    let mut buf = vec![0u8; RECOVERY_READ_CHUNK.min(seg_size as usize)];
+    let mut lsn = start;
+    loop {
+        let segno = lsn.segment_number(seg_size);
+        let Some((f, path)) = open_segment_ro(dir, segno, seg_size)? else {
+            if lsn == start && lsn.segment_offset(seg_size) != 0 {
+                return Ok(lsn.segment_start(seg_size));
+            }
+            break;
+        };
+        let mut off = lsn.segment_offset(seg_size);
+        while off < seg_size {
+            let want = ((seg_size - off) as usize).min(buf.len());
+            let n = read_full_at(&f, &mut buf[..want], off)
+                .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+            if n == 0 {
+                return Ok(decoder.last_record_end());
+            }
+            if let Err(e) = decoder.feed(&buf[..n]) {
+                tracing::info!(file = %path.display(), "end of WAL: {e}");
+                return Ok(decoder.last_record_end());
+            }
+            off += n as u64;
+            lsn = Lsn(lsn.0 + n as u64);
+            if n < want {
+                return Ok(decoder.last_record_end());
+            }
+        }
+    }
+    Ok(decoder.last_record_end())
+}
+
+/// Reads as many bytes as available at `off` into `buf`, up to its length (stops early only at
+/// end of file).
+fn read_full_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read_at(&mut buf[got..], off + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// Reads WAL bytes from the segment files of a timeline; independent of the writer, so a
+/// walsender can read while appends go on (callers only read below the writer's flush LSN).
+#[derive(Clone, Debug)]
+pub struct WalReader {
+    dir: PathBuf,
+    seg_size: u64,
+}
+
+impl WalReader {
+    pub fn new(dir: impl Into<PathBuf>, seg_size: u64) -> WalReader {
+        WalReader {
+            dir: dir.into(),
+            seg_size,
+        }
+    }
+
+    /// Appends the WAL bytes `[from, to)` to `out`, crossing segments as needed (each segment
+    /// is read from `.partial` first, then its plain name). A missing segment or a short file is
+    /// an error. The caller bounds `to - from` (walsenders read at most 128 KiB at a time).
+    pub fn read(&self, from: Lsn, to: Lsn, out: &mut Vec<u8>) -> Result<()> {
+        let len = to
+            .checked_sub(from)
+            .ok_or_else(|| Error::Rejected(format!("read of [{from}, {to}) is reversed")))?;
+        let at = out.len();
+        out.resize(at + len as usize, 0);
+        let res = self.read_into(from, &mut out[at..]);
+        if res.is_err() {
+            out.truncate(at);
+        }
+        res
+    }
+
+    /// Fills `buf` with the WAL bytes starting at `from`.
+    pub fn read_into(&self, from: Lsn, buf: &mut [u8]) -> Result<()> {
+        let mut lsn = from;
+        let mut done = 0;
+        while done < buf.len() {
+            let segno = lsn.segment_number(self.seg_size);
+            let off = lsn.segment_offset(self.seg_size);
+            let n = ((self.seg_size - off) as usize).min(buf.len() - done);
+            let (f, path) = open_segment_ro(&self.dir, segno, self.seg_size)?.ok_or_else(|| {
+                Error::io(
+                    format!(
+                        "reading WAL at {lsn}: segment {} is missing",
+                        segment_path(&self.dir, segno, self.seg_size, false).display()
+                    ),
+                    std::io::Error::from(std::io::ErrorKind::NotFound),
+                )
+            })?;
+            f.read_exact_at(&mut buf[done..done + n], off)
+                .map_err(|e| Error::io(format!("reading {} at {lsn}", path.display()), e))?;
+            done += n;
+            lsn = Lsn(lsn.0 + n as u64);
+        }
+        Ok(())
+    }
+}
+
+/// The segment file currently open for writing.
+#[derive(Debug)]
+struct OpenSegment {
+    segno: u64,
+    path: PathBuf,
+    file: File,
+}
+
+/// WAL of one timeline in segment files.
+#[derive(Debug)]
+pub struct WalFileStore {
+    dir: PathBuf,
+    /// Invariant: a valid segment size (power of two, 1 MiB..=1 GiB).
+    seg_size: u64,
+    opts: WalFileOptions,
+    /// End of the bytes written to the OS.
+    write_lsn: Lsn,
+    /// End of the last complete record written. Invariant: `<= write_lsn`.
+    write_record_lsn: Lsn,
+    /// End of the bytes known durable. Invariant: `flush_record_lsn <= flush_byte_lsn <= write_lsn`.
+    flush_byte_lsn: Lsn,
+    /// End of the last complete record that is durable (reported as `flush_lsn()`).
+    /// Invariant: `<= write_record_lsn`.
+    flush_record_lsn: Lsn,
+    /// Fed every written byte; positioned at `write_lsn`.
+    decoder: WalStreamDecoder,
+    /// The `.partial` segment holding `write_lsn`, if open.
+    file: Option<OpenSegment>,
+    /// True from start-up until the first successful truncation (and during one): writes are
+    /// refused, as the tail past the recovered end may hold garbage of an older term.
+    pending_truncation: bool,
+}
+
+impl WalFileStore {
+    /// Opens the WAL in `dir` (created if missing) with segments of `seg_size` bytes, recovering
+    /// the end of WAL by decoding from `commit_lsn` (the control file's). With `commit_lsn`
+    /// invalid (0) the store starts empty. Fails, naming both LSNs, if the WAL on disk ends
+    /// below `commit_lsn`: committed WAL would be lost. Writes are refused until the first
+    /// [`WalStore::truncate_wal`].
+    pub fn open(
+        dir: impl Into<PathBuf>,
+        seg_size: u64,
+        commit_lsn: Lsn,
+        opts: WalFileOptions,
+    ) -> Result<WalFileStore> {
+        let dir = dir.into();
+        if !is_valid_seg_size(seg_size) {
+            return Err(Error::Rejected(format!(
+                "invalid WAL segment size {seg_size}: must be a power of two in 1 MiB..=1 GiB"
+            )));
+        }
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        match std::fs::remove_file(dir.join(TMP_SEGMENT_NAME)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("removing a leftover waltmp", e)),
+        }
+        let end = if commit_lsn.is_valid() {
+            let end = find_end_of_wal(&dir, seg_size, commit_lsn, opts.wal_start_lsn)?;
+            if end < commit_lsn {
+                return Err(Error::Corruption {
+                    file: dir.display().to_string(),
+                    reason: format!(
+                        "WAL ends at {end}, below commit_lsn {commit_lsn} from the control file: \
+                         refusing to start, committed WAL would be lost"
+                    ),
+                });
+            }
+            end
+        } else {
+            Lsn::INVALID
+        };
+        tracing::info!(dir = %dir.display(), %commit_lsn, end_of_wal = %end, "WAL store opened");
+        Ok(WalFileStore {
+            decoder: WalStreamDecoder::new(end, seg_size),
+            dir,
+            seg_size,
+            opts,
+            write_lsn: end,
+            write_record_lsn: end,
+            flush_byte_lsn: end,
+            flush_record_lsn: end,
+            file: None,
+            pending_truncation: true,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn seg_size(&self) -> u64 {
+        self.seg_size
+    }
+
+    /// End of the bytes known durable (may be mid-record; see [`WalStore::flush_lsn`]).
+    pub fn flush_byte_lsn(&self) -> Lsn {
+        self.flush_byte_lsn
+    }
+
+    /// A reader of this store's segments.
+    pub fn reader(&self) -> WalReader {
+        WalReader::new(self.dir.clone(), self.seg_size)
+    }
+
+    /// Appends the WAL bytes `[from, to)` to `out` (see [`WalReader::read`]).
+    pub fn read_wal(&self, from: Lsn, to: Lsn, out: &mut Vec<u8>) -> Result<()> {
+        self.reader().read(from, to, out)
+    }
+
+    /// Deletes every segment file numbered `segno` or lower. Refused for the segment being
+    /// written. Not fsynced: a deletion lost in a crash only leaves an old segment behind.
+    /// Returns the number of files removed.
+    pub fn remove_segments_up_to(&mut self, segno: u64) -> Result<usize> {
+        if self.write_lsn.is_valid() && segno >= self.write_lsn.segment_number(self.seg_size) {
+            return Err(Error::Rejected(format!(
+                "cannot remove segment {segno}: WAL is being written at {}",
+                self.write_lsn
+            )));
+        }
+        let mut removed = 0;
+        for (n, _partial, path) in self.list_segments()? {
+            if n <= segno {
+                std::fs::remove_file(&path)
+                    .map_err(|e| Error::io(format!("removing {}", path.display()), e))?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    fn list_segments(&self) -> Result<Vec<(u64, bool, PathBuf)>> {
+        let ctx = || format!("listing {}", self.dir.display());
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(&self.dir).map_err(|e| Error::io(ctx(), e))? {
+            let entry = entry.map_err(|e| Error::io(ctx(), e))?;
+            if let Some(name) = entry.file_name().to_str()
+                && let Some((segno, partial)) = parse_xlog_file_name(name, self.seg_size)
+            {
+                out.push((segno, partial, entry.path()));
+            }
+        }
+        Ok(out)
+    }
+
+    fn sync(&self, file: &File, path: &Path, kind: SyncKind) {
+        if !self.opts.no_sync {
+            fsync_or_abort(file, path, kind);
+        }
+    }
+
+    /// The open `.partial` file of segment `segno`, creating the segment if needed.
+    fn segment_for_write(&mut self, segno: u64) -> Result<&OpenSegment> {
+        if self.file.as_ref().is_some_and(|s| s.segno != segno) {
+            self.file = None;
+        }
+        if self.file.is_none() {
+            let (file, path) = match open_segment(&self.dir, segno, self.seg_size)? {
+                Some((file, path, true)) => (file, path),
+                Some((file, full, false)) => {
+                    // A completed segment is being rewritten (only after a truncation that
+                    // crashed before renaming it): it is the current one again.
+                    let path = segment_path(&self.dir, segno, self.seg_size, true);
+                    durable_rename(&full, &path, &self.dir, self.opts.no_sync)?;
+                    (file, path)
+                }
+                None => create_segment(&self.dir, segno, self.seg_size, &self.opts)?,
+            };
+            self.file = Some(OpenSegment { segno, path, file });
+        }
+        Ok(self.file.as_ref().expect("opened above"))
+    }
+
+    /// The write reached the end of segment `segno`: make it durable and give it its final name.
+    fn complete_segment(&mut self, segno: u64) -> Result<()> {
+        let seg = match self.file.take() {
+            Some(seg) if seg.segno == segno => seg,
+            _ => unreachable_segment(segno)?,
+        };
+        // The segment is durable before it is renamed to its final name. The rename itself is
+        // not fsynced: recovery and truncation look for both names.
+        self.sync(&seg.file, &seg.path, SyncKind::Data);
+        let full = segment_path(&self.dir, segno, self.seg_size, false);
+        std::fs::rename(&seg.path, &full).map_err(|e| {
+            Error::io(
+                format!("renaming {} to {}", seg.path.display(), full.display()),
+                e,
+            )
+        })?;
+        self.flush_byte_lsn = self.write_lsn;
+        self.flush_record_lsn = self.write_record_lsn;
+        Ok(())
+    }
+}
+
+/// Local invariant breach in `complete_segment` turned into an error rather than a panic.
+fn unreachable_segment(segno: u64) -> Result<OpenSegment> {
+    Err(Error::Rejected(format!(
+        "internal: segment {segno} completed but not open"
+    )))
+}
+
+impl WalStore for WalFileStore {
+    fn write_lsn(&self) -> Lsn {
+        self.write_lsn
+    }
+
+    fn write_record_lsn(&self) -> Lsn {
+        self.write_record_lsn
+    }
+
+    fn flush_lsn(&self) -> Lsn {
+        self.flush_record_lsn
+    }
+
+    fn write_wal(&mut self, start: Lsn, buf: &[u8]) -> Result<()> {
+        if self.pending_truncation {
+            return Err(Error::Rejected(format!(
+                "write at {start} refused: WAL must be truncated after start-up first"
+            )));
+        }
+        if self.write_lsn.is_valid() && start != self.write_lsn {
+            let what = if start > self.write_lsn {
+                "gap"
+            } else {
+                "rewrite"
+            };
+            return Err(Error::Rejected(format!(
+                "{what}: write at {start} but WAL is written up to {}",
+                self.write_lsn
+            )));
+        }
+        if !self.write_lsn.is_valid() {
+            // An empty store takes the first write's position as its start.
+            self.decoder = WalStreamDecoder::new(start, self.seg_size);
+            (self.write_lsn, self.write_record_lsn) = (start, start);
+            (self.flush_byte_lsn, self.flush_record_lsn) = (start, start);
+        }
+        let mut rest = buf;
+        while !rest.is_empty() {
+            let pos = self.write_lsn;
+            let segno = pos.segment_number(self.seg_size);
+            let off = pos.segment_offset(self.seg_size);
+            let n = ((self.seg_size - off) as usize).min(rest.len());
+            let (piece, tail) = rest.split_at(n);
+            // Decode before writing: WAL that does not decode never reaches the disk.
+            let mut decoder = self.decoder.clone();
+            let last_end = decoder.feed(piece).map_err(|e| {
+                Error::Rejected(format!("WAL written at {pos} does not decode: {e}"))
+            })?;
+            let seg = self.segment_for_write(segno)?;
+            seg.file
+                .write_all_at(piece, off)
+                .map_err(|e| Error::io(format!("writing {} at {pos}", seg.path.display()), e))?;
+            self.decoder = decoder;
+            self.write_lsn = Lsn(pos.0 + n as u64);
+            if let Some(end) = last_end {
+                self.write_record_lsn = end;
+            }
+            if off + n as u64 == self.seg_size {
+                self.complete_segment(segno)?;
+            }
+            rest = tail;
+        }
+        Ok(())
+    }
+
+    fn truncate_wal(&mut self, end: Lsn) -> Result<()> {
+        if self.write_record_lsn.is_valid() && end > self.write_record_lsn {
+            return Err(Error::Rejected(format!(
+                "truncation to {end} above the end of WAL {}",
+                self.write_record_lsn
+            )));
+        }
+        if !self.pending_truncation && end == self.write_lsn && end == self.flush_record_lsn {
+            return Ok(());
+        }
+        self.pending_truncation = true;
+        // LSNs move first: the deletions below cannot be undone, so nothing may report WAL
+        // past `end` from here on, even if truncation fails half-way.
+        self.write_lsn = end;
+        self.write_record_lsn = end;
+        self.flush_byte_lsn = end;
+        self.flush_record_lsn = end;
+        self.decoder = WalStreamDecoder::new(end, self.seg_size);
+        self.file = None;
+
+        let end_segno = end.segment_number(self.seg_size);
+        let end_off = end.segment_offset(self.seg_size);
+        // 1. Zero everything after `end` in its segment and make it durable first: from then on
+        //    recovery can never decode past `end`, whatever is left in later segments.
+        let existing = open_segment(&self.dir, end_segno, self.seg_size)?;
+        let seg = match existing {
+            Some(s) => Some(s),
+            None if end_off != 0 => {
+                let (f, p) = create_segment(&self.dir, end_segno, self.seg_size, &self.opts)?;
+                Some((f, p, true))
+            }
+            None => None,
+        };
+        if let Some((f, path, partial)) = seg {
+            if self.opts.zero_fill {
+                write_zeros(&f, end_off, self.seg_size)
+            } else {
+                f.set_len(end_off).and_then(|()| f.set_len(self.seg_size))
+            }
+            .map_err(|e| Error::io(format!("zeroing {} after {end}", path.display()), e))?;
+            // fsync, not fdatasync: the file size changed twice.
+            self.sync(&f, &path, SyncKind::All);
+            if !partial {
+                let p = segment_path(&self.dir, end_segno, self.seg_size, true);
+                std::fs::rename(&path, &p)
+                    .map_err(|e| Error::io(format!("renaming {}", path.display()), e))?;
+            }
+        }
+        // 2. Delete later segments (and a leftover temporary file).
+        for (segno, _partial, path) in self.list_segments()? {
+            if segno > end_segno {
+                std::fs::remove_file(&path)
+                    .map_err(|e| Error::io(format!("removing {}", path.display()), e))?;
+            }
+        }
+        let _ = std::fs::remove_file(self.dir.join(TMP_SEGMENT_NAME));
+        // 3. A segment that ends exactly at `end` is complete: give it its final name.
+        if end_off == 0 && end_segno > 0 {
+            let prev = segment_path(&self.dir, end_segno - 1, self.seg_size, true);
+            if prev.exists() {
+                let full = segment_path(&self.dir, end_segno - 1, self.seg_size, false);
+                std::fs::rename(&prev, &full)
+                    .map_err(|e| Error::io(format!("renaming {}", prev.display()), e))?;
+            }
+        }
+        // 4. Make the deletions and renames durable.
+        if !self.opts.no_sync {
+            fsync_dir(&self.dir)?;
+        }
+        self.pending_truncation = false;
+        Ok(())
+    }
+
+    fn flush_wal(&mut self) -> Result<()> {
+        if self.flush_byte_lsn == self.write_lsn {
+            return Ok(());
+        }
+        match &self.file {
+            Some(seg) => self.sync(&seg.file, &seg.path, SyncKind::Data),
+            None => {
+                // Not open (e.g. after an I/O error): sync the segment holding the last byte.
+                let last = Lsn(self.write_lsn.0 - 1).segment_number(self.seg_size);
+                if let Some((f, path, _)) = open_segment(&self.dir, last, self.seg_size)? {
+                    self.sync(&f, &path, SyncKind::Data);
+                }
+            }
+        }
+        self.flush_byte_lsn = self.write_lsn;
+        self.flush_record_lsn = self.write_record_lsn;
+        Ok(())
+    }
+
+    fn initialize_first_segment(&mut self, init_lsn: Lsn) -> Result<()> {
+        if self.write_lsn.is_valid() {
+            return Err(Error::Rejected(format!(
+                "initialize_first_segment({init_lsn}) on a store holding WAL up to {}",
+                self.write_lsn
+            )));
+        }
+        let image = first_segment_image(self.opts.system_id, self.seg_size, init_lsn)
+            .map_err(|e| Error::Rejected(e.to_string()))?;
+        let segno = init_lsn.segment_number(self.seg_size);
+        let seg = self.segment_for_write(segno)?;
+        // Not fsynced: the truncation that follows syncs the segment, and this is redone if lost.
+        seg.file
+            .write_all_at(&image, 0)
+            .map_err(|e| Error::io(format!("writing {}", seg.path.display()), e))?;
+        self.file = None;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wal::{RecordPos, WalGenerator};
+
+    const SEG: u64 = 1 << 20;
+
+    fn opts() -> WalFileOptions {
+        WalFileOptions {
+            no_sync: false,
+            system_id: 77,
+            wal_start_lsn: Lsn::INVALID,
+            zero_fill: false,
+        }
+    }
+
+    /// A store holding nothing, ready for WAL at `start`.
+    fn fresh(dir: &Path, start: Lsn) -> WalFileStore {
+        fresh_with(dir, start, opts())
+    }
+
+    fn fresh_with(dir: &Path, start: Lsn, o: WalFileOptions) -> WalFileStore {
+        let mut s = WalFileStore::open(dir, SEG, Lsn::INVALID, o).unwrap();
+        s.initialize_first_segment(start).unwrap();
+        s.truncate_wal(start).unwrap();
+        s
+    }
+
+    fn gen_wal(start: Lsn, sizes: &[usize]) -> (Vec<u8>, Vec<RecordPos>) {
+        let mut g = WalGenerator::new(77, SEG, start).unwrap();
+        let mut out = Vec::new();
+        let msg = vec![0x42u8; sizes.iter().copied().max().unwrap_or(0)];
+        let pos = sizes
+            .iter()
+            .map(|&n| g.append_logical_message(&mut out, &msg[..n]))
+            .collect();
+        (out, pos)
+    }
+
+    fn reopen(dir: &Path, commit: Lsn) -> Result<WalFileStore> {
+        WalFileStore::open(dir, SEG, commit, opts())
+    }
+
+    #[test]
+    fn written_and_flushed_wal_survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG + 8192 + 128);
+        let mut s = fresh(dir.path(), start);
+        let (bytes, pos) = gen_wal(start, &[10, 20_000, 300, 5]);
+        s.write_wal(start, &bytes).unwrap();
+        let end = pos.last().unwrap().end;
+        assert_eq!((s.write_lsn(), s.write_record_lsn()), (end, end));
+        assert_eq!(s.flush_lsn(), start, "nothing durable before flush");
+        s.flush_wal().unwrap();
+        assert_eq!(s.flush_lsn(), end);
+        drop(s);
+        let s = reopen(dir.path(), pos[1].end).unwrap();
+        assert_eq!(s.flush_lsn(), end);
+        let mut back = Vec::new();
+        s.read_wal(start, end, &mut back).unwrap();
+        assert_eq!(back, bytes);
+    }
+
+    #[test]
+    fn append_with_gap_or_rewrite_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG);
+        let mut s = fresh(dir.path(), start);
+        let (bytes, pos) = gen_wal(start, &[100, 100]);
+        let mid = (pos[0].end.0 - start.0) as usize;
+        s.write_wal(start, &bytes[..mid]).unwrap();
+        let gap = s.write_wal(Lsn(pos[0].end.0 + 8), &bytes[mid..]);
+        assert!(
+            matches!(gap, Err(Error::Rejected(ref m)) if m.contains("gap")),
+            "{gap:?}"
+        );
+        let rewrite = s.write_wal(start, &bytes[..mid]);
+        assert!(matches!(rewrite, Err(Error::Rejected(ref m)) if m.contains("rewrite")));
+        s.write_wal(pos[0].end, &bytes[mid..]).unwrap();
+        assert_eq!(s.write_record_lsn(), pos[1].end);
+    }
+
+    #[test]
+    fn writes_are_refused_until_the_first_truncation_after_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG);
+        let mut s = fresh(dir.path(), start);
+        let (bytes, pos) = gen_wal(start, &[100, 100]);
+        s.write_wal(start, &bytes).unwrap();
+        s.flush_wal().unwrap();
+        drop(s);
+        let end = pos[1].end;
+        let mut s = reopen(dir.path(), pos[0].end).unwrap();
+        let (more, _) = gen_wal(end, &[1]);
+        assert!(matches!(s.write_wal(end, &more), Err(Error::Rejected(_))));
+        s.truncate_wal(end).unwrap();
+        // The generator's first record has xl_prev 0, which the fresh decoder cannot check.
+        s.write_wal(end, &more).unwrap();
+    }
+
+    #[test]
+    fn undecodable_write_is_refused_before_touching_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG);
+        let mut s = fresh(dir.path(), start);
+        let (mut bytes, _) = gen_wal(start, &[100]);
+        let last = bytes.len() - 10;
+        bytes[last] ^= 0xff;
+        assert!(matches!(
+            s.write_wal(start, &bytes),
+            Err(Error::Rejected(_))
+        ));
+        assert_eq!(s.write_lsn(), start);
+    }
+
+    #[test]
+    fn segment_completion_renames_partial_and_advances_flush_lsn() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG);
+        let mut s = fresh(dir.path(), start);
+        let mut g = WalGenerator::new(77, SEG, start).unwrap();
+        let mut bytes = Vec::new();
+        while g.lsn().0 < 2 * SEG + 4096 {
+            g.append_logical_message(&mut bytes, &[1; 1000]);
+        }
+        let seg_end = (SEG) as usize; // bytes up to the end of segment 1
+        s.write_wal(start, &bytes[..seg_end - 4096]).unwrap();
+        assert!(segment_path(dir.path(), 1, SEG, true).exists());
+        assert_eq!(s.flush_lsn(), start);
+        s.write_wal(Lsn(2 * SEG - 4096), &bytes[seg_end - 4096..seg_end + 100])
+            .unwrap();
+        assert!(!segment_path(dir.path(), 1, SEG, true).exists());
+        assert!(segment_path(dir.path(), 1, SEG, false).exists());
+        assert!(segment_path(dir.path(), 2, SEG, true).exists());
+        // The completed segment was fsynced: flush_lsn covers every record ending in it.
+        assert!(s.flush_lsn().0 > 2 * SEG - 1100 && s.flush_lsn().0 <= 2 * SEG);
+        assert_eq!(s.flush_byte_lsn(), Lsn(2 * SEG));
+        assert_eq!(s.write_lsn(), Lsn(2 * SEG + 100));
+    }
+
+    #[test]
+    fn torn_tail_truncated_to_last_valid_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG + 8192 - 64);
+        let mut s = fresh(dir.path(), start);
+        // The last record spans a page boundary.
+        let (bytes, pos) = gen_wal(start, &[30, 200, 9000]);
+        s.write_wal(start, &bytes).unwrap();
+        s.flush_wal().unwrap();
+        drop(s);
+        let path = segment_path(dir.path(), 1, SEG, true);
+        let pristine = std::fs::read(&path).unwrap();
+        let last = pos[2];
+        let commit = pos[0].end;
+        let seg_off = |l: Lsn| l.segment_offset(SEG) as usize;
+        // Cut the file at every offset inside the last record (the rest reads as zeros).
+        // Going down, each step zeroes one more byte.
+        let f = OpenOptions::new().write(true).open(&path).unwrap();
+        // The record's last byte (a message byte, non-zero); what follows is alignment padding.
+        let last_byte = pristine[..seg_off(last.end)]
+            .iter()
+            .rposition(|&b| b != 0)
+            .unwrap();
+        for cut in (seg_off(last.chunk_start)..=last_byte).rev() {
+            f.write_all_at(&[0], cut as u64).unwrap();
+            let s = reopen(dir.path(), commit).unwrap();
+            assert_eq!(s.flush_lsn(), pos[1].end, "cut at segment offset {cut}");
+        }
+        drop(f);
+        // A file physically shorter than the segment is handled the same way.
+        let short = &pristine[..seg_off(last.start) + 100];
+        std::fs::write(&path, short).unwrap();
+        assert_eq!(reopen(dir.path(), commit).unwrap().flush_lsn(), pos[1].end);
+    }
+
+    #[test]
+    fn corrupt_record_in_the_middle_stops_recovery_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG);
+        let mut s = fresh(dir.path(), start);
+        let (bytes, pos) = gen_wal(start, &[100; 20]);
+        s.write_wal(start, &bytes).unwrap();
+        s.flush_wal().unwrap();
+        drop(s);
+        let path = segment_path(dir.path(), 1, SEG, true);
+        let mut data = std::fs::read(&path).unwrap();
+        data[pos[10].start.segment_offset(SEG) as usize + 60] ^= 0x20;
+        std::fs::write(&path, &data).unwrap();
+        let s = reopen(dir.path(), pos[3].end).unwrap();
+        assert_eq!(s.flush_lsn(), pos[9].end);
+    }
+
+    #[test]
+    fn recovery_refuses_when_wal_ends_below_commit_lsn() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG + 8192 * 3 + 64);
+        let mut s = fresh(dir.path(), start);
+        let (bytes, pos) = gen_wal(start, &[5000; 10]);
+        s.write_wal(start, &bytes).unwrap();
+        s.flush_wal().unwrap();
+        drop(s);
+        let commit = pos[8].end;
+        // Lose the page holding the byte before commit_lsn.
+        let path = segment_path(dir.path(), 1, SEG, true);
+        let mut data = std::fs::read(&path).unwrap();
+        let page = Lsn(commit.0 - 1).page_start().segment_offset(SEG) as usize;
+        data[page..].fill(0);
+        std::fs::write(&path, &data).unwrap();
+        let o = WalFileOptions {
+            wal_start_lsn: start,
+            ..opts()
+        };
+        let err = WalFileStore::open(dir.path(), SEG, commit, o.clone()).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, Error::Corruption { .. }), "{msg}");
+        assert!(msg.contains(&commit.to_string()), "{msg}");
+        assert!(
+            msg.contains(&Lsn(commit.0 - 1).page_start().to_string()),
+            "{msg}"
+        );
+        // A missing segment is refused even without knowing where the WAL starts.
+        std::fs::remove_file(&path).unwrap();
+        let err = reopen(dir.path(), commit).unwrap_err();
+        assert!(err.to_string().contains(&commit.to_string()), "{err}");
+        assert!(err.to_string().contains(&Lsn(SEG).to_string()), "{err}");
+    }
+
+    #[test]
+    fn truncation_across_a_segment_boundary() {
+        truncation_across_a_segment_boundary_with(opts());
+    }
+
+    #[test]
+    fn truncation_across_a_segment_boundary_with_zero_filled_segments() {
+        truncation_across_a_segment_boundary_with(WalFileOptions {
+            zero_fill: true,
+            ..opts()
+        });
+    }
+
+    fn truncation_across_a_segment_boundary_with(o: WalFileOptions) {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG);
+        let mut s = fresh_with(dir.path(), start, o.clone());
+        let (bytes, pos) = gen_wal(start, &[100_000; 25]);
+        assert!(pos.last().unwrap().end.0 > 3 * SEG);
+        s.write_wal(start, &bytes).unwrap();
+        s.flush_wal().unwrap();
+        // Truncate into segment 1, after a record that ends there.
+        let keep = pos.iter().rfind(|p| p.end.0 < 2 * SEG).unwrap().end;
+        s.truncate_wal(keep).unwrap();
+        assert_eq!(
+            (s.write_lsn(), s.write_record_lsn(), s.flush_lsn()),
+            (keep, keep, keep)
+        );
+        assert!(
+            segment_path(dir.path(), 1, SEG, true).exists(),
+            "end segment is current again"
+        );
+        assert!(!segment_path(dir.path(), 1, SEG, false).exists());
+        for segno in 2..5 {
+            assert!(!segment_path(dir.path(), segno, SEG, true).exists());
+            assert!(!segment_path(dir.path(), segno, SEG, false).exists());
+        }
+        // The tail is zero and recovery finds `keep`.
+        let data = std::fs::read(segment_path(dir.path(), 1, SEG, true)).unwrap();
+        assert_eq!(data.len() as u64, SEG);
+        assert!(
+            data[keep.segment_offset(SEG) as usize..]
+                .iter()
+                .all(|&b| b == 0)
+        );
+        drop(s);
+        let mut s = WalFileStore::open(dir.path(), SEG, start, o).unwrap();
+        assert_eq!(s.flush_lsn(), keep);
+        // Writing resumes after the truncation with the rest of the stream.
+        s.truncate_wal(keep).unwrap();
+        let off = (keep.0 - start.0) as usize;
+        s.write_wal(keep, &bytes[off..]).unwrap();
+        s.flush_wal().unwrap();
+        assert_eq!(s.flush_lsn(), pos.last().unwrap().end);
+        // Truncating above the end is refused.
+        let beyond = Lsn(s.write_record_lsn().0 + 8);
+        assert!(matches!(s.truncate_wal(beyond), Err(Error::Rejected(_))));
+    }
+
+    #[test]
+    fn truncation_at_a_segment_boundary_keeps_the_completed_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG);
+        let mut s = fresh(dir.path(), start);
+        let mut g = WalGenerator::new(77, SEG, start).unwrap();
+        let mut bytes = Vec::new();
+        let mut boundary = None;
+        while g.lsn().0 < 2 * SEG + 50_000 {
+            let p = g.append_logical_message(&mut bytes, &[3; 3000]);
+            if p.end.0 >= 2 * SEG && boundary.is_none() {
+                boundary = Some(p.end);
+            }
+        }
+        s.write_wal(start, &bytes).unwrap();
+        s.flush_wal().unwrap();
+        let b = boundary.unwrap();
+        s.truncate_wal(b).unwrap();
+        assert_eq!(s.flush_lsn(), b);
+        drop(s);
+        assert_eq!(reopen(dir.path(), start).unwrap().flush_lsn(), b);
+    }
+
+    #[test]
+    fn removes_old_segments_but_not_the_current_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG);
+        let mut s = fresh(dir.path(), start);
+        let (bytes, _) = gen_wal(start, &[200_000; 16]);
+        s.write_wal(start, &bytes).unwrap();
+        let cur = s.write_lsn().segment_number(SEG);
+        assert!(cur >= 3);
+        assert!(matches!(
+            s.remove_segments_up_to(cur),
+            Err(Error::Rejected(_))
+        ));
+        assert_eq!(s.remove_segments_up_to(cur - 1).unwrap() as u64, cur - 1);
+        assert!(segment_path(dir.path(), cur, SEG, true).exists());
+        assert!(!segment_path(dir.path(), cur - 1, SEG, false).exists());
+    }
+
+    #[test]
+    fn reader_reads_across_segments_and_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Lsn(SEG + 4096);
+        let mut s = fresh(dir.path(), start);
+        let (bytes, pos) = gen_wal(start, &[150_000; 10]);
+        s.write_wal(start, &bytes).unwrap();
+        let end = pos.last().unwrap().end;
+        assert!(end.segment_number(SEG) == 2);
+        let mut out = vec![9u8];
+        s.reader()
+            .read(Lsn(2 * SEG - 100), Lsn(2 * SEG + 100), &mut out)
+            .unwrap();
+        let at = (2 * SEG - 100 - start.0) as usize;
+        assert_eq!(&out[1..], &bytes[at..at + 200]);
+        // Reading past the existing segments fails and leaves `out` untouched.
+        let mut out2 = Vec::new();
+        assert!(
+            s.read_wal(Lsn(3 * SEG - 10), Lsn(3 * SEG + 10), &mut out2)
+                .is_err()
+        );
+        assert!(out2.is_empty());
+    }
+
+    #[test]
+    fn invalid_segment_sizes_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for bad in [0, 1 << 19, 3 << 20, 2 << 30] {
+            assert!(WalFileStore::open(dir.path(), bad, Lsn::INVALID, opts()).is_err());
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! Micro-benchmarks of the WAL format and storage layers (run: `cargo bench -p safekeeper
+//! --bench wal_storage -- --measurement-time 3 --warm-up-time 1`; see `benches/README.md`).
+//!
+//! Groups (`op/param=value`, throughput in bytes):
+//! - `crc32c/size=N`: CRC-32C throughput (hardware-accelerated `crc32c` crate).
+//! - `generate/msg=N`: logical-message WAL generation (1 MiB of WAL per iteration).
+//! - `decode/msg=N`: the streaming decoder over 1 MiB of generated WAL.
+//! - `write_flush/raw_sparse/size=N`: `pwrite` + `fdatasync` into a file preallocated with
+//!   `set_len` (sparse, as our segments are created).
+//! - `write_flush/raw_zeroed/size=N`: the same into a file first written with zeros, which is
+//!   how `pg_test_fsync` prepares its file.
+//! - `write_flush/store/seg=S/{sparse,zeroed}/size=N`: `WalFileStore::write_wal` + `flush_wal`
+//!   (decode, write, fdatasync) per append; with a 1 GiB segment it stays in one preallocated
+//!   segment, with 16 MiB segments creation and completion are included.
+//!
+//! Files go to `$WAL_BENCH_DIR` (default: the system temp dir); fsyncs are real.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};
+use safekeeper::storage::WalStore;
+use safekeeper::storage::wal_file::{WalFileOptions, WalFileStore};
+use safekeeper::types::Lsn;
+use safekeeper::wal::{WalGenerator, WalStreamDecoder};
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+
+fn bench_dir() -> PathBuf {
+    std::env::var_os("WAL_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+fn crc(c: &mut Criterion) {
+    let mut g = c.benchmark_group("crc32c");
+    for size in [64, 8 * KIB, 128 * KIB, MIB] {
+        let data = vec![0xA5u8; size];
+        g.throughput(Throughput::Bytes(size as u64));
+        g.bench_with_input(BenchmarkId::new("size", size), &data, |b, d| {
+            b.iter(|| crc32c::crc32c(black_box(d)))
+        });
+    }
+    g.finish();
+}
+
+fn generate(c: &mut Criterion) {
+    let mut g = c.benchmark_group("generate");
+    for msg in [64, KIB, 8 * KIB, 128 * KIB] {
+        let message = vec![0x5Au8; msg];
+        let mut out = Vec::with_capacity(2 * MIB);
+        let mut generator = WalGenerator::new(1, 16 << 20, Lsn(16 << 20)).unwrap();
+        g.throughput(Throughput::Bytes(MIB as u64));
+        g.bench_function(BenchmarkId::new("msg", msg), |b| {
+            b.iter(|| {
+                out.clear();
+                generator.fill(&mut out, MIB, &message);
+                black_box(out.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+fn decode(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode");
+    for msg in [64, KIB, 128 * KIB] {
+        let start = Lsn(16 << 20);
+        let mut generator = WalGenerator::new(1, 16 << 20, start).unwrap();
+        let mut wal = Vec::new();
+        generator.fill(&mut wal, MIB, &vec![0x5Au8; msg]);
+        g.throughput(Throughput::Bytes(wal.len() as u64));
+        g.bench_function(BenchmarkId::new("msg", msg), |b| {
+            b.iter(|| {
+                let mut d = WalStreamDecoder::new(start, 16 << 20);
+                for chunk in wal.chunks(128 * KIB) {
+                    d.feed(chunk).expect("generated WAL decodes");
+                }
+                black_box(d.last_record_end())
+            })
+        });
+    }
+    g.finish();
+}
+
+fn write_flush(c: &mut Criterion) {
+    let mut g = c.benchmark_group("write_flush");
+    g.sample_size(20);
+    // Raw baselines: pwrite + fdatasync into a preallocated file, either sparse (set_len, as
+    // our segments are made; the first write to each block allocates it) or written with zeros
+    // first (as pg_test_fsync prepares its file).
+    for (kind, file_len) in [("raw_sparse", 1u64 << 30), ("raw_zeroed", 64u64 << 20)] {
+        for size in [8 * KIB, 128 * KIB] {
+            let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+            let path = dir.path().join("prealloc");
+            let f = OpenOptions::new()
+                .create(true)
+                .truncate(true)
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap();
+            if kind == "raw_sparse" {
+                f.set_len(file_len).unwrap();
+            } else {
+                let zeros = vec![0u8; MIB];
+                for i in 0..file_len / MIB as u64 {
+                    f.write_all_at(&zeros, i * MIB as u64).unwrap();
+                }
+            }
+            f.sync_all().unwrap();
+            let data = vec![0x33u8; size];
+            let mut off = 0u64;
+            g.throughput(Throughput::Bytes(size as u64));
+            g.bench_function(BenchmarkId::new(format!("{kind}/size"), size), |b| {
+                b.iter(|| {
+                    if off + size as u64 > file_len {
+                        off = 0;
+                    }
+                    f.write_all_at(&data, off).unwrap();
+                    f.sync_data().unwrap();
+                    off += size as u64;
+                })
+            });
+        }
+    }
+    // The WAL store: decode + write + fdatasync per append. `seg=1GiB`: one preallocated
+    // segment (the brief's micro-bench); `seg=16MiB`: the default size, segment creation and
+    // completion included, sparse (`set_len`) or zero-filled segments.
+    for (label, seg_size, zero_fill) in [
+        ("store/seg=1GiB/sparse/size", 1u64 << 30, false),
+        ("store/seg=16MiB/sparse/size", 16u64 << 20, false),
+        ("store/seg=16MiB/zeroed/size", 16u64 << 20, true),
+    ] {
+        for size in [8 * KIB, 128 * KIB] {
+            let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+            let start = Lsn(seg_size);
+            let opts = WalFileOptions {
+                zero_fill,
+                ..Default::default()
+            };
+            let mut store = WalFileStore::open(dir.path(), seg_size, Lsn::INVALID, opts).unwrap();
+            store.initialize_first_segment(start).unwrap();
+            store.truncate_wal(start).unwrap();
+            let mut generator = WalGenerator::new(1, seg_size, start).unwrap();
+            let message = vec![0x5Au8; 1000];
+            let mut pending: Vec<u8> = Vec::with_capacity(4 * MIB);
+            let mut consumed = 0usize;
+            g.throughput(Throughput::Bytes(size as u64));
+            g.bench_function(BenchmarkId::new(label, size), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        if pending.len() - consumed < size {
+                            pending.drain(..consumed);
+                            consumed = 0;
+                            generator.fill(&mut pending, 2 * MIB, &message);
+                        }
+                        let lsn = store.write_lsn();
+                        let t = Instant::now();
+                        store
+                            .write_wal(lsn, &pending[consumed..consumed + size])
+                            .unwrap();
+                        store.flush_wal().unwrap();
+                        total += t.elapsed();
+                        consumed += size;
+                    }
+                    total
+                })
+            });
+            // Segments this run left behind go with the temp dir.
+            drop(store);
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, crc, generate, decode, write_flush);
+criterion_main!(benches);

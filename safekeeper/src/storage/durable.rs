@@ -1,0 +1,58 @@
+//! Durability primitives shared by the file stores: fsync that aborts the process on failure,
+//! directory fsync, and durable rename.
+//!
+//! Why abort: after a failed `fsync` the kernel may have dropped the dirty pages and cleared the
+//! error, so a retry can "succeed" without the data being on disk (the PostgreSQL "fsyncgate"
+//! lesson). The only safe reaction is to stop and recover from what is really on disk. Every
+//! fsync in this crate goes through [`fsync_or_abort`]. A full disk on `write`/`set_len` is not
+//! fatal: callers map it to [`super::Error::NoSpace`] with [`super::Error::io`].
+
+use std::fs::File;
+use std::path::Path;
+
+/// What to make durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncKind {
+    /// `fdatasync`: data and the metadata needed to read it back (enough for a file whose size
+    /// does not change).
+    Data,
+    /// `fsync`: data and all metadata (size changes, directories).
+    All,
+}
+
+/// Syncs `file` (named `path` in the log) or aborts the process: the one place a failed fsync
+/// is handled.
+pub fn fsync_or_abort(file: &File, path: &Path, kind: SyncKind) {
+    let res = match kind {
+        SyncKind::Data => file.sync_data(),
+        SyncKind::All => file.sync_all(),
+    };
+    if let Err(e) = res {
+        tracing::error!(path = %path.display(), error = %e, "fsync failed: aborting (a retried fsync can falsely succeed)");
+        eprintln!("FATAL: fsync of {} failed: {e}; aborting", path.display());
+        std::process::abort();
+    }
+}
+
+/// Makes the entries of directory `dir` (creations, renames, deletions) durable.
+pub fn fsync_dir(dir: &Path) -> super::Result<()> {
+    let f = File::open(dir)
+        .map_err(|e| super::Error::io(format!("opening directory {}", dir.display()), e))?;
+    fsync_or_abort(&f, dir, SyncKind::All);
+    Ok(())
+}
+
+/// Renames `from` to `to` (both in `dir`) and, unless `no_sync`, makes the rename durable by
+/// syncing the directory. The caller has made the file's content durable before.
+pub fn durable_rename(from: &Path, to: &Path, dir: &Path, no_sync: bool) -> super::Result<()> {
+    std::fs::rename(from, to).map_err(|e| {
+        super::Error::io(
+            format!("renaming {} to {}", from.display(), to.display()),
+            e,
+        )
+    })?;
+    if !no_sync {
+        fsync_dir(dir)?;
+    }
+    Ok(())
+}
