@@ -263,7 +263,13 @@ impl TermHistory {
     /// The history limited to entries that start at or below `up_to` (what an acceptor whose WAL
     /// ends at `up_to` actually holds).
     pub fn up_to(&self, up_to: Lsn) -> TermHistory {
-        TermHistory(self.0.iter().copied().take_while(|e| e.lsn <= up_to).collect())
+        TermHistory(
+            self.0
+                .iter()
+                .copied()
+                .take_while(|e| e.lsn <= up_to)
+                .collect(),
+        )
     }
 
     /// The highest point where the proposer's history `prop` and an acceptor's history `sk`
@@ -333,12 +339,22 @@ mod tests {
 
     #[test]
     fn lsn_displays_and_parses_like_postgres() {
-        let lsn = Lsn(0x1_16B3_748);
+        let lsn = Lsn(0x116B_3748);
         assert_eq!(lsn.to_string(), "0/116B3748");
         assert_eq!("0/116B3748".parse::<Lsn>(), Ok(lsn));
         assert_eq!(Lsn(0xAB_0000_0010).to_string(), "AB/10");
         assert_eq!("ab/10".parse::<Lsn>(), Ok(Lsn(0xAB_0000_0010)));
-        for bad in ["", "/", "0/", "/0", "0", "0/0/0", "x/0", "123456789/0", "0/-1"] {
+        for bad in [
+            "",
+            "/",
+            "0/",
+            "/0",
+            "0",
+            "0/0/0",
+            "x/0",
+            "123456789/0",
+            "0/-1",
+        ] {
             assert!(bad.parse::<Lsn>().is_err(), "{bad:?} must not parse");
         }
     }
@@ -363,8 +379,16 @@ mod tests {
         let s = "de200bd42b49cc1814412c7e592dd6e9";
         let id: TenantId = s.parse().unwrap();
         assert_eq!(id.to_string(), s);
-        assert!("de200bd42b49cc1814412c7e592dd6e".parse::<TimelineId>().is_err());
-        assert!("zz200bd42b49cc1814412c7e592dd6e9".parse::<TimelineId>().is_err());
+        assert!(
+            "de200bd42b49cc1814412c7e592dd6e"
+                .parse::<TimelineId>()
+                .is_err()
+        );
+        assert!(
+            "zz200bd42b49cc1814412c7e592dd6e9"
+                .parse::<TimelineId>()
+                .is_err()
+        );
     }
 
     #[test]
