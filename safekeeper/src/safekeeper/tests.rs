@@ -602,3 +602,64 @@ fn unsynced_append_is_lost_on_power_loss_but_synced_is_not() {
     assert_eq!(sk.flush_lsn(), Lsn(S + 10));
     assert_eq!(sk.write_lsn(), Lsn(S + 10));
 }
+
+/// Like the file store, syncs by itself when a write completes a segment.
+struct SegmentSyncingWal {
+    inner: MemWalStore,
+    seg: u64,
+}
+
+impl WalStore for SegmentSyncingWal {
+    fn write_lsn(&self) -> Lsn {
+        self.inner.write_lsn()
+    }
+    fn write_record_lsn(&self) -> Lsn {
+        self.inner.write_record_lsn()
+    }
+    fn flush_lsn(&self) -> Lsn {
+        self.inner.flush_lsn()
+    }
+    fn write_wal(&mut self, start: Lsn, buf: &[u8]) -> storage::Result<()> {
+        self.inner.write_wal(start, buf)?;
+        if (start.0 + buf.len() as u64).is_multiple_of(self.seg) {
+            self.inner.flush_wal()?;
+        }
+        Ok(())
+    }
+    fn truncate_wal(&mut self, end: Lsn) -> storage::Result<()> {
+        self.inner.truncate_wal(end)
+    }
+    fn flush_wal(&mut self) -> storage::Result<()> {
+        self.inner.flush_wal()
+    }
+    fn initialize_first_segment(&mut self, init_lsn: Lsn) -> storage::Result<()> {
+        self.inner.initialize_first_segment(init_lsn)
+    }
+}
+
+#[test]
+fn no_flush_append_completing_a_segment_replies_with_the_new_flush_lsn() {
+    let seg = 0x100;
+    let state = new_sk().state().clone();
+    let wal = SegmentSyncingWal {
+        inner: MemWalStore::new(),
+        seg,
+    };
+    let mut sk = SafeKeeper::new(NodeId(1), MemControlStore::new(state), wal).unwrap();
+    sk.process_msg(&ProposerAcceptorMessage::Elected(ProposerElected {
+        generation: Generation(0),
+        term: Term(1),
+        start_streaming_at: Lsn(S),
+        term_history: hist(&[(1, S)]),
+    }))
+    .unwrap();
+    let noflush = |begin: u64, len: usize| {
+        ProposerAcceptorMessage::NoFlushAppendRequest(append_msg(1, begin, &vec![1; len], 0))
+    };
+    assert!(sk.process_msg(&noflush(S, 0x80)).unwrap().is_none());
+    let r = sk.process_msg(&noflush(S + 0x80, 0x80)).unwrap();
+    assert!(
+        matches!(r, Some(AcceptorProposerMessage::AppendResponse(a)) if a.flush_lsn == Lsn(S + seg)),
+        "segment completion made WAL durable: the proposer must hear of it"
+    );
+}
