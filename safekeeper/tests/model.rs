@@ -10,8 +10,9 @@
 //! committed bytes), and durability of commits (bytes a proposer saw committed stay present and
 //! identical on a quorum's durable WAL).
 //!
-//! Knobs: `MODEL_SEEDS=n` runs more seeds, `MODEL_SEED=s` replays one seed (test
-//! `model_replay_one_seed`), `MODEL_TRACE=1` prints that seed's events. A failure prints its seed.
+//! Knobs: `MODEL_SEEDS=n` runs `n` seeds (default 3000) from `MODEL_SEED_START` (default 0);
+//! `MODEL_SEED=s` replays one seed (test `model_replay_one_seed`) and `MODEL_TRACE=1` prints its
+//! events. A failure prints its seed.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -36,7 +37,7 @@ const QUORUM: usize = N_ACC / 2 + 1;
 /// Where the timeline's WAL begins.
 const START: Lsn = Lsn(0x0100_0000);
 const SEG: u32 = 16 << 20;
-const DEFAULT_SEEDS: u64 = 1500;
+const DEFAULT_SEEDS: u64 = 3000;
 const STEPS: usize = 400;
 /// Record layout: `u8 total_len`, `u64 term`, `u8 proposer`, `u64 seq`, filler.
 const RECORD_HEADER: usize = 18;
@@ -877,9 +878,10 @@ fn env_u64(name: &str) -> Option<u64> {
 #[test]
 fn model_random_schedules_keep_consensus_invariants() {
     let seeds = env_u64("MODEL_SEEDS").unwrap_or(DEFAULT_SEEDS);
+    let first = env_u64("MODEL_SEED_START").unwrap_or(0);
     let mut total = Stats::default();
     let mut seeds_with_commits = 0;
-    for seed in 0..seeds {
+    for seed in first..first + seeds {
         let s = run_seed(seed, false);
         if s.commits_observed > 0 {
             seeds_with_commits += 1;
