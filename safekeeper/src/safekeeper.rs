@@ -268,6 +268,35 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
         self.inmem.remote_consistent_lsn = self.inmem.remote_consistent_lsn.max(lsn);
     }
 
+    /// Peer gossip (broker/HTTP): adopt a peer's commit LSN if the peer's newest WAL is of our
+    /// last log term, so the same history is being committed. Capped by our flush LSN.
+    pub fn record_peer_commit_lsn(
+        &mut self,
+        peer_last_log_term: Term,
+        peer_commit_lsn: Lsn,
+    ) -> Result<(), SafeKeeperError> {
+        if peer_commit_lsn.is_valid() && peer_last_log_term == self.last_log_term() {
+            self.update_commit_lsn(peer_commit_lsn)?;
+        }
+        Ok(())
+    }
+
+    /// HTTP term bump: raises the term to `to` (if higher) or by one, durably, so the current
+    /// proposer must re-elect. Returns `(previous, current)`.
+    pub fn term_bump(&mut self, to: Option<Term>) -> Result<(Term, Term), SafeKeeperError> {
+        let previous = self.term();
+        let current = match to {
+            Some(to) => previous.max(to),
+            None => Term(previous.0.saturating_add(1)),
+        };
+        if current != previous {
+            let mut s = self.state_with_inmem();
+            s.acceptor_state.term = current;
+            self.control.persist(&s)?;
+        }
+        Ok((previous, current))
+    }
+
     // ----- handlers ------------------------------------------------------------------------
 
     fn check_generation(&self, theirs: Generation) -> Result<(), SafeKeeperError> {

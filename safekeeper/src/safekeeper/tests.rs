@@ -663,3 +663,23 @@ fn no_flush_append_completing_a_segment_replies_with_the_new_flush_lsn() {
         "segment completion made WAL durable: the proposer must hear of it"
     );
 }
+
+#[test]
+fn peer_commit_is_adopted_only_for_the_same_last_log_term() {
+    let mut sk = sk_with_term1_wal(100);
+    sk.record_peer_commit_lsn(Term(2), Lsn(S + 50)).unwrap();
+    assert_eq!(sk.commit_lsn(), Lsn(S));
+    sk.record_peer_commit_lsn(Term(1), Lsn(S + 500)).unwrap();
+    assert_eq!(sk.commit_lsn(), Lsn(S + 100), "capped by our flush LSN");
+}
+
+#[test]
+fn term_bump_is_durable_and_never_lowers_the_term() {
+    let mut sk = new_sk();
+    assert_eq!(sk.term_bump(None).unwrap(), (Term(0), Term(1)));
+    assert_eq!(sk.term_bump(Some(Term(5))).unwrap(), (Term(1), Term(5)));
+    assert_eq!(sk.term_bump(Some(Term(3))).unwrap(), (Term(5), Term(5)));
+    let mut sk = reboot(sk);
+    assert_eq!(sk.term(), Term(5));
+    assert!(!vote(&mut sk, 5).vote_given);
+}
