@@ -159,6 +159,10 @@ struct Cluster {
     /// Per acceptor: highest term, persisted commit seen so far (monotonicity across reboots).
     acc_term_seen: Vec<Term>,
     acc_commit_seen: Vec<Lsn>,
+    /// Per acceptor: highest flush LSN revealed in a reply since its last truncation, and
+    /// highest commit LSN revealed; both must survive any power loss.
+    acc_flush_revealed: Vec<Lsn>,
+    acc_commit_revealed: Vec<Lsn>,
     /// Probability that a step is a fault (drop, power loss, timeout, crash); per seed, so
     /// some schedules are calm and long-running and others stormy.
     fault_rate: f64,
@@ -202,6 +206,8 @@ impl Cluster {
             committed: Vec::new(),
             acc_term_seen: vec![Term(0); N_ACC],
             acc_commit_seen: vec![Lsn(0); N_ACC],
+            acc_flush_revealed: vec![Lsn(0); N_ACC],
+            acc_commit_revealed: vec![Lsn(0); N_ACC],
             stats: Stats::default(),
         }
     }
@@ -282,7 +288,16 @@ impl Cluster {
             m => m,
         };
         self.log(|| format!("p{p} -> a{a}: {}", describe_pa(&msg)));
-        match self.sk_mut(a).process_msg(&msg) {
+        let result = self.sk_mut(a).process_msg(&msg);
+        if matches!(msg, ProposerAcceptorMessage::Elected(_)) {
+            // Elected may truncate: what was revealed above the new end is legitimately gone.
+            let flush = self.sk(a).flush_lsn();
+            self.acc_flush_revealed[a] = self.acc_flush_revealed[a].min(flush);
+        }
+        if let Ok(Some(reply)) = &result {
+            self.note_revealed(a, reply);
+        }
+        match result {
             Ok(Some(reply)) => {
                 self.log(|| format!("a{a} -> p{p}: {reply:?}"));
                 self.conns[p][a].to_prop.push_back(encode_ap(&reply));
@@ -306,6 +321,17 @@ impl Cluster {
                 self.drop_conn(p, a, &format!("acceptor error: {e}"));
             }
         }
+    }
+
+    /// A reply reveals only durable state: remember what it claimed.
+    fn note_revealed(&mut self, a: usize, reply: &AcceptorProposerMessage) {
+        let (flush, commit) = match reply {
+            AcceptorProposerMessage::AppendResponse(r) => (r.flush_lsn, r.commit_lsn),
+            AcceptorProposerMessage::VoteResponse(v) => (v.flush_lsn, Lsn(0)),
+            AcceptorProposerMessage::Greeting(_) => return,
+        };
+        self.acc_flush_revealed[a] = self.acc_flush_revealed[a].max(flush);
+        self.acc_commit_revealed[a] = self.acc_commit_revealed[a].max(commit);
     }
 
     fn idle_flush(&mut self, p: usize, a: usize) {
@@ -672,6 +698,16 @@ impl Cluster {
             assert!(
                 persisted_commit >= self.acc_commit_seen[a],
                 "a{a}: persisted commit went back"
+            );
+            assert!(
+                flush >= self.acc_flush_revealed[a],
+                "a{a}: flush {flush} below the {} a reply revealed",
+                self.acc_flush_revealed[a]
+            );
+            assert!(
+                persisted_commit >= self.acc_commit_revealed[a],
+                "a{a}: persisted commit {persisted_commit} below the {} a reply revealed",
+                self.acc_commit_revealed[a]
             );
             self.acc_term_seen[a] = term;
             self.acc_commit_seen[a] = persisted_commit;
