@@ -156,6 +156,8 @@ struct Cluster {
     elected: BTreeMap<Term, (usize, u64)>,
     /// The longest committed prefix any proposer observed: bytes `[START, START + len)`.
     committed: Vec<u8>,
+    /// Highest commit LSN observed by the proposer of each term.
+    commit_by_term: BTreeMap<Term, Lsn>,
     /// Per acceptor: highest term, persisted commit seen so far (monotonicity across reboots).
     acc_term_seen: Vec<Term>,
     acc_commit_seen: Vec<Lsn>,
@@ -204,6 +206,7 @@ impl Cluster {
                 .collect(),
             elected: BTreeMap::new(),
             committed: Vec::new(),
+            commit_by_term: BTreeMap::new(),
             acc_term_seen: vec![Term(0); N_ACC],
             acc_commit_seen: vec![Lsn(0); N_ACC],
             acc_flush_revealed: vec![Lsn(0); N_ACC],
@@ -545,18 +548,27 @@ impl Cluster {
         for v in prop.views.iter_mut() {
             v.flush_lsn = Lsn(0);
         }
-        // Our own log must agree with everything committed so far.
-        let committed_len = self.committed.len().min(self.proposers[p].log.len());
-        assert_eq!(
-            self.proposers[p].log[..committed_len],
-            self.committed[..committed_len],
-            "new proposer's log disagrees with committed WAL"
-        );
+        // Leader completeness (Raft): the log of term T's leader holds everything committed in
+        // terms below T. Commits of later terms need not be there: this leader is stale and
+        // cannot commit, since a quorum has moved past its term.
+        let required = self
+            .commit_by_term
+            .range(..term)
+            .map(|(_, &lsn)| lsn)
+            .max()
+            .unwrap_or(Lsn(0));
+        let required_len = (required.0.saturating_sub(START.0)) as usize;
+        let log = &self.proposers[p].log;
         assert!(
-            self.proposers[p].log.len() >= self.committed.len(),
-            "elected proposer p{p} in term {term} lacks committed WAL: log ends at {}, committed up to {}",
+            log.len() >= required_len,
+            "elected proposer p{p} in term {term} lacks WAL committed in earlier terms: log ends \
+             at {}, committed up to {required}",
             self.proposers[p].log_end(),
-            Lsn(START.0 + self.committed.len() as u64)
+        );
+        assert_eq!(
+            log[..required_len],
+            self.committed[..required_len],
+            "elected proposer p{p} in term {term} disagrees with WAL committed in earlier terms"
         );
         for a in 0..N_ACC {
             if self.proposers[p].views[a].vote.is_some() {
@@ -666,6 +678,8 @@ impl Cluster {
             .min(candidate);
         let upto = (candidate.0 - START.0) as usize;
         let term = prop.term;
+        let by_term = self.commit_by_term.entry(term).or_default();
+        *by_term = (*by_term).max(candidate);
         self.stats.commits_observed += 1;
         self.log(|| format!("p{p} (term {term}) commits {candidate}"));
         let log = &self.proposers[p].log;
