@@ -1,1 +1,802 @@
-//! TODO: see the issue that builds this module.
+//! Neon's proposer ↔ acceptor protocol, version 3: message types and a byte-exact codec.
+//!
+//! Every message is the payload of one PostgreSQL `CopyData` frame; this module neither frames
+//! nor reads sockets (the network layer does). Encoding is big-endian with a one-byte ASCII tag;
+//! layouts are in `shared/reference/neon-safekeeper.md` §2.2.
+//!
+//! Decoding is total and bounded: every read is checked, counts are checked against both a
+//! constant cap and the bytes that remain before anything is allocated, unknown tags and trailing
+//! bytes are errors, and an `AppendRequest`'s WAL is a zero-copy slice of the input frame.
+//! Semantic rules (terms, generations, continuity) are the consensus core's job
+//! ([`crate::safekeeper`]), except for the structural ones the layout implies: `end_lsn >=
+//! begin_lsn`, a WAL payload of at most [`MAX_SEND_SIZE`], a non-empty member list for a non-zero
+//! generation, unique member ids, and an ordered term history.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::state::{Configuration, SafekeeperId};
+use crate::types::{
+    Generation, Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TermHistoryError,
+    TermLsn, TimelineId,
+};
+
+/// Largest WAL payload of one `AppendRequest` (neon's `MAX_SEND_SIZE`, 16 pages).
+pub const MAX_SEND_SIZE: usize = 8192 * 16;
+/// Largest term history we accept (one entry per elected term that wrote WAL).
+pub const MAX_TERM_HISTORY_ENTRIES: usize = 1024;
+/// Largest member list of a membership configuration.
+pub const MAX_MEMBERS: usize = 1024;
+/// Largest NUL-terminated string, excluding the NUL (host names, ids, feedback keys).
+pub const MAX_CSTR_LEN: usize = 1024;
+
+/// Smallest encoding of one member: `u64 id`, empty `cstr host`, `u16 port`.
+const MIN_MEMBER_BYTES: usize = 8 + 1 + 2;
+/// Encoding of one term history entry.
+const TERM_HISTORY_ENTRY_BYTES: usize = 16;
+
+/// Why a frame could not be decoded. Any of these closes the connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("empty message")]
+    Empty,
+    #[error("unknown message tag {0:#04x}")]
+    UnknownTag(u8),
+    #[error("message truncated: {field} needs {needed} bytes, {remaining} remain")]
+    Truncated {
+        field: &'static str,
+        needed: usize,
+        remaining: usize,
+    },
+    #[error("{0} trailing bytes after the message")]
+    TrailingBytes(usize),
+    #[error("{field}: no NUL terminator within {max} bytes")]
+    UnterminatedString { field: &'static str, max: usize },
+    #[error("{field}: not UTF-8")]
+    InvalidUtf8 { field: &'static str },
+    #[error("{field}: invalid id {value:?}")]
+    InvalidId { field: &'static str, value: String },
+    #[error("{field}: {count} entries exceed the limit of {max} (or the bytes that remain)")]
+    TooMany {
+        field: &'static str,
+        count: u64,
+        max: usize,
+    },
+    #[error("append end_lsn {end} is below begin_lsn {begin}")]
+    EndBeforeBegin { begin: Lsn, end: Lsn },
+    #[error("append carries {len} bytes of WAL, more than MAX_SEND_SIZE ({max})")]
+    AppendTooLarge { len: u64, max: usize },
+    #[error("membership generation {0} with no members")]
+    EmptyMembership(Generation),
+    #[error("duplicate member id {0}")]
+    DuplicateMember(NodeId),
+    #[error(transparent)]
+    TermHistory(#[from] TermHistoryError),
+    #[error("pageserver feedback key {key:?} has length {len}, expected {expected}")]
+    FeedbackLength {
+        key: String,
+        len: i32,
+        expected: i32,
+    },
+    #[error("pageserver feedback key {key:?} has invalid length {len}")]
+    FeedbackBadLength { key: String, len: i32 },
+}
+
+/// Why a message could not be encoded (a local bug, never a peer's fault).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    #[error("{0} is internal to the safekeeper and never sent")]
+    InternalOnly(&'static str),
+    #[error("{field} contains a NUL byte")]
+    NulInString { field: &'static str },
+    #[error("{field}: {count} entries exceed the limit of {max}")]
+    TooMany {
+        field: &'static str,
+        count: usize,
+        max: usize,
+    },
+    #[error("append WAL payload is {len} bytes but end_lsn - begin_lsn is {expected}")]
+    WalLengthMismatch { len: usize, expected: u64 },
+    #[error("append WAL payload is {0} bytes, more than MAX_SEND_SIZE")]
+    AppendTooLarge(usize),
+}
+
+// ---------------------------------------------------------------------------------------------
+// Messages
+
+/// `g`: the proposer introduces itself and the timeline it writes.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct ProposerGreeting {
+    pub tenant_id: TenantId,
+    pub timeline_id: TimelineId,
+    /// The proposer's view of the membership configuration.
+    pub mconf: Configuration,
+    /// Full PostgreSQL version, e.g. 150018; 0 = unknown.
+    pub pg_version: u32,
+    /// PostgreSQL system identifier; 0 = unknown (sync-safekeepers).
+    pub system_id: u64,
+    pub wal_seg_size: u32,
+}
+
+impl ProposerGreeting {
+    pub fn ttid(&self) -> TenantTimelineId {
+        TenantTimelineId {
+            tenant_id: self.tenant_id,
+            timeline_id: self.timeline_id,
+        }
+    }
+}
+
+/// `v`: asks for a vote in `term`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct VoteRequest {
+    pub generation: Generation,
+    pub term: Term,
+}
+
+/// `e`: the proposer won `term`; the acceptor must truncate its WAL at `start_streaming_at` and
+/// adopt `term_history`.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct ProposerElected {
+    pub generation: Generation,
+    pub term: Term,
+    pub start_streaming_at: Lsn,
+    /// The proposer's history; its last entry is `(term, term_start_lsn)`.
+    pub term_history: TermHistory,
+}
+
+/// The fixed part of an `AppendRequest`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct AppendRequestHeader {
+    pub generation: Generation,
+    pub term: Term,
+    pub begin_lsn: Lsn,
+    /// Invariant: `end_lsn >= begin_lsn`, `end_lsn - begin_lsn <= MAX_SEND_SIZE`.
+    pub end_lsn: Lsn,
+    /// The proposer's commit LSN (0 = none yet).
+    pub commit_lsn: Lsn,
+    /// Oldest WAL any peer may still need (becomes the acceptor's peer horizon).
+    pub truncate_lsn: Lsn,
+}
+
+/// `a`: WAL bytes `[begin_lsn, end_lsn)`.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct AppendRequest {
+    pub h: AppendRequestHeader,
+    /// Invariant: `wal_data.len() == end_lsn - begin_lsn`. A slice of the received frame.
+    pub wal_data: Bytes,
+}
+
+/// Messages an acceptor processes.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum ProposerAcceptorMessage {
+    Greeting(ProposerGreeting),
+    VoteRequest(VoteRequest),
+    Elected(ProposerElected),
+    /// Write and make durable before answering.
+    AppendRequest(AppendRequest),
+    /// Internal only (never on the wire): write without syncing; answer only if `flush_lsn`
+    /// moved. The WAL receiver turns every `AppendRequest` into this and batches the sync.
+    NoFlushAppendRequest(AppendRequest),
+    /// Internal only: sync what was written and always answer with an `AppendResponse`.
+    FlushWAL,
+}
+
+/// `g` reply: who the acceptor is and the highest term it has seen.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct AcceptorGreeting {
+    pub node_id: NodeId,
+    pub mconf: Configuration,
+    pub term: Term,
+}
+
+/// `v` reply.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct VoteResponse {
+    pub generation: Generation,
+    /// The acceptor's term after processing the request.
+    pub term: Term,
+    pub vote_given: bool,
+    /// Durable end of the acceptor's WAL.
+    pub flush_lsn: Lsn,
+    /// The acceptor's peer horizon.
+    pub truncate_lsn: Lsn,
+    /// The acceptor's history up to `flush_lsn`.
+    pub term_history: TermHistory,
+}
+
+/// Hot-standby feedback aggregated from readers (zero = none).
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+pub struct HotStandbyFeedback {
+    pub ts: i64,
+    pub xmin: u64,
+    pub catalog_xmin: u64,
+}
+
+/// Pageserver progress, forwarded to the compute for backpressure.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+pub struct PageserverFeedback {
+    pub current_timeline_size: u64,
+    pub last_received_lsn: Lsn,
+    pub disk_consistent_lsn: Lsn,
+    pub remote_consistent_lsn: Lsn,
+    /// Microseconds since 2000-01-01 (PostgreSQL epoch).
+    pub replytime: i64,
+    /// Sent only when non-zero.
+    pub shard_number: u32,
+    /// Sent only when true.
+    pub corruption_detected: bool,
+}
+
+/// `a` reply.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct AppendResponse {
+    pub generation: Generation,
+    pub term: Term,
+    /// Durable end of the acceptor's WAL (0 in a term-only refusal).
+    pub flush_lsn: Lsn,
+    /// The acceptor's *persisted* commit LSN (0 in a term-only refusal).
+    pub commit_lsn: Lsn,
+    pub hs_feedback: HotStandbyFeedback,
+    pub pageserver_feedback: Option<PageserverFeedback>,
+}
+
+impl AppendResponse {
+    /// The refusal sent when the acceptor's term is above the request's.
+    pub fn term_only(generation: Generation, term: Term) -> AppendResponse {
+        AppendResponse {
+            generation,
+            term,
+            flush_lsn: Lsn::INVALID,
+            commit_lsn: Lsn::INVALID,
+            hs_feedback: HotStandbyFeedback::default(),
+            pageserver_feedback: None,
+        }
+    }
+}
+
+/// Messages an acceptor sends.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum AcceptorProposerMessage {
+    Greeting(AcceptorGreeting),
+    VoteResponse(VoteResponse),
+    AppendResponse(AppendResponse),
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding
+
+/// A checked cursor over one frame.
+struct Reader {
+    buf: Bytes,
+}
+
+impl Reader {
+    fn need(&self, field: &'static str, needed: usize) -> Result<(), DecodeError> {
+        if self.buf.remaining() < needed {
+            return Err(DecodeError::Truncated {
+                field,
+                needed,
+                remaining: self.buf.remaining(),
+            });
+        }
+        Ok(())
+    }
+
+    fn u8(&mut self, field: &'static str) -> Result<u8, DecodeError> {
+        self.need(field, 1)?;
+        Ok(self.buf.get_u8())
+    }
+
+    fn u16(&mut self, field: &'static str) -> Result<u16, DecodeError> {
+        self.need(field, 2)?;
+        Ok(self.buf.get_u16())
+    }
+
+    fn u32(&mut self, field: &'static str) -> Result<u32, DecodeError> {
+        self.need(field, 4)?;
+        Ok(self.buf.get_u32())
+    }
+
+    fn i32(&mut self, field: &'static str) -> Result<i32, DecodeError> {
+        self.need(field, 4)?;
+        Ok(self.buf.get_i32())
+    }
+
+    fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
+        self.need(field, 8)?;
+        Ok(self.buf.get_u64())
+    }
+
+    fn i64(&mut self, field: &'static str) -> Result<i64, DecodeError> {
+        self.need(field, 8)?;
+        Ok(self.buf.get_i64())
+    }
+
+    fn lsn(&mut self, field: &'static str) -> Result<Lsn, DecodeError> {
+        self.u64(field).map(Lsn)
+    }
+
+    fn term(&mut self, field: &'static str) -> Result<Term, DecodeError> {
+        self.u64(field).map(Term)
+    }
+
+    fn generation(&mut self) -> Result<Generation, DecodeError> {
+        self.u32("generation").map(Generation)
+    }
+
+    /// Zero-copy slice of the next `n` bytes.
+    fn bytes(&mut self, field: &'static str, n: usize) -> Result<Bytes, DecodeError> {
+        self.need(field, n)?;
+        Ok(self.buf.split_to(n))
+    }
+
+    /// A NUL-terminated UTF-8 string of at most [`MAX_CSTR_LEN`] bytes.
+    fn cstr(&mut self, field: &'static str) -> Result<String, DecodeError> {
+        let window = &self.buf[..self.buf.len().min(MAX_CSTR_LEN + 1)];
+        let Some(nul) = window.iter().position(|&b| b == 0) else {
+            if self.buf.len() <= MAX_CSTR_LEN {
+                return Err(DecodeError::Truncated {
+                    field,
+                    needed: self.buf.len() + 1,
+                    remaining: self.buf.len(),
+                });
+            }
+            return Err(DecodeError::UnterminatedString {
+                field,
+                max: MAX_CSTR_LEN,
+            });
+        };
+        let s = std::str::from_utf8(&window[..nul])
+            .map_err(|_| DecodeError::InvalidUtf8 { field })?
+            .to_owned();
+        self.buf.advance(nul + 1);
+        Ok(s)
+    }
+
+    /// A count of entries at least `min_entry_bytes` long each, checked against `max` and the
+    /// bytes that remain, so a caller may allocate `count` entries.
+    fn count(
+        &mut self,
+        field: &'static str,
+        max: usize,
+        min_entry_bytes: usize,
+    ) -> Result<usize, DecodeError> {
+        let n = self.u32(field)?;
+        let n_usize = n as usize;
+        let fits = n_usize
+            .checked_mul(min_entry_bytes)
+            .is_some_and(|b| b <= self.buf.remaining());
+        if n_usize > max || !fits {
+            return Err(DecodeError::TooMany {
+                field,
+                count: n as u64,
+                max,
+            });
+        }
+        Ok(n_usize)
+    }
+
+    fn term_history(&mut self) -> Result<TermHistory, DecodeError> {
+        let n = self.count(
+            "term history",
+            MAX_TERM_HISTORY_ENTRIES,
+            TERM_HISTORY_ENTRY_BYTES,
+        )?;
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            let term = self.term("term history term")?;
+            let lsn = self.lsn("term history lsn")?;
+            entries.push(TermLsn { term, lsn });
+        }
+        let history = TermHistory(entries);
+        history.validate()?;
+        Ok(history)
+    }
+
+    fn members(&mut self, field: &'static str) -> Result<Vec<SafekeeperId>, DecodeError> {
+        let n = self.count(field, MAX_MEMBERS, MIN_MEMBER_BYTES)?;
+        let mut members: Vec<SafekeeperId> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = NodeId(self.u64("member id")?);
+            let host = self.cstr("member host")?;
+            let pg_port = self.u16("member pg_port")?;
+            if members.iter().any(|m| m.id == id) {
+                return Err(DecodeError::DuplicateMember(id));
+            }
+            members.push(SafekeeperId { id, host, pg_port });
+        }
+        Ok(members)
+    }
+
+    fn mconf(&mut self) -> Result<Configuration, DecodeError> {
+        let generation = self.generation()?;
+        let members = self.members("members")?;
+        let new_members = self.members("new members")?;
+        if generation != Generation::INVALID && members.is_empty() {
+            return Err(DecodeError::EmptyMembership(generation));
+        }
+        Ok(Configuration {
+            generation,
+            members,
+            new_members: (!new_members.is_empty()).then_some(new_members),
+        })
+    }
+
+    fn id<T: std::str::FromStr>(&mut self, field: &'static str) -> Result<T, DecodeError> {
+        let s = self.cstr(field)?;
+        s.parse()
+            .map_err(|_| DecodeError::InvalidId { field, value: s })
+    }
+
+    fn finish(self) -> Result<(), DecodeError> {
+        if self.buf.has_remaining() {
+            return Err(DecodeError::TrailingBytes(self.buf.remaining()));
+        }
+        Ok(())
+    }
+
+    fn pageserver_feedback(&mut self) -> Result<PageserverFeedback, DecodeError> {
+        let mut f = PageserverFeedback::default();
+        let nkeys = self.u8("feedback key count")?;
+        for _ in 0..nkeys {
+            let key = self.cstr("feedback key")?;
+            let len = self.i32("feedback value length")?;
+            let expect = |expected: i32| {
+                if len == expected {
+                    Ok(())
+                } else {
+                    Err(DecodeError::FeedbackLength {
+                        key: key.clone(),
+                        len,
+                        expected,
+                    })
+                }
+            };
+            match key.as_str() {
+                "current_timeline_size" => {
+                    expect(8)?;
+                    f.current_timeline_size = self.u64("current_timeline_size")?;
+                }
+                "ps_writelsn" => {
+                    expect(8)?;
+                    f.last_received_lsn = self.lsn("ps_writelsn")?;
+                }
+                "ps_flushlsn" => {
+                    expect(8)?;
+                    f.disk_consistent_lsn = self.lsn("ps_flushlsn")?;
+                }
+                "ps_applylsn" => {
+                    expect(8)?;
+                    f.remote_consistent_lsn = self.lsn("ps_applylsn")?;
+                }
+                "ps_replytime" => {
+                    expect(8)?;
+                    f.replytime = self.i64("ps_replytime")?;
+                }
+                "shard_number" => {
+                    expect(4)?;
+                    f.shard_number = self.u32("shard_number")?;
+                }
+                "corruption_detected" => {
+                    expect(1)?;
+                    f.corruption_detected = self.u8("corruption_detected")? != 0;
+                }
+                _ => {
+                    // Unknown keys are skipped using their length.
+                    let Ok(len) = usize::try_from(len) else {
+                        return Err(DecodeError::FeedbackBadLength { key, len });
+                    };
+                    self.need("unknown feedback value", len)?;
+                    self.buf.advance(len);
+                }
+            }
+        }
+        Ok(f)
+    }
+}
+
+fn read_tag(buf: &Bytes) -> Result<(u8, Reader), DecodeError> {
+    let Some(&tag) = buf.first() else {
+        return Err(DecodeError::Empty);
+    };
+    Ok((
+        tag,
+        Reader {
+            buf: buf.slice(1..),
+        },
+    ))
+}
+
+impl ProposerAcceptorMessage {
+    /// Decodes one frame. The WAL of an append is a zero-copy slice of `frame`.
+    pub fn decode(frame: &Bytes) -> Result<ProposerAcceptorMessage, DecodeError> {
+        let (tag, mut r) = read_tag(frame)?;
+        let msg = match tag {
+            b'g' => {
+                let tenant_id = r.id("tenant_id")?;
+                let timeline_id = r.id("timeline_id")?;
+                let mconf = r.mconf()?;
+                let pg_version = r.u32("pg_version")?;
+                let system_id = r.u64("system_id")?;
+                let wal_seg_size = r.u32("wal_seg_size")?;
+                ProposerAcceptorMessage::Greeting(ProposerGreeting {
+                    tenant_id,
+                    timeline_id,
+                    mconf,
+                    pg_version,
+                    system_id,
+                    wal_seg_size,
+                })
+            }
+            b'v' => ProposerAcceptorMessage::VoteRequest(VoteRequest {
+                generation: r.generation()?,
+                term: r.term("term")?,
+            }),
+            b'e' => ProposerAcceptorMessage::Elected(ProposerElected {
+                generation: r.generation()?,
+                term: r.term("term")?,
+                start_streaming_at: r.lsn("start_streaming_at")?,
+                term_history: r.term_history()?,
+            }),
+            b'a' => {
+                let h = AppendRequestHeader {
+                    generation: r.generation()?,
+                    term: r.term("term")?,
+                    begin_lsn: r.lsn("begin_lsn")?,
+                    end_lsn: r.lsn("end_lsn")?,
+                    commit_lsn: r.lsn("commit_lsn")?,
+                    truncate_lsn: r.lsn("truncate_lsn")?,
+                };
+                let Some(len) = h.end_lsn.checked_sub(h.begin_lsn) else {
+                    return Err(DecodeError::EndBeforeBegin {
+                        begin: h.begin_lsn,
+                        end: h.end_lsn,
+                    });
+                };
+                if len > MAX_SEND_SIZE as u64 {
+                    return Err(DecodeError::AppendTooLarge {
+                        len,
+                        max: MAX_SEND_SIZE,
+                    });
+                }
+                let wal_data = r.bytes("wal data", len as usize)?;
+                ProposerAcceptorMessage::AppendRequest(AppendRequest { h, wal_data })
+            }
+            other => return Err(DecodeError::UnknownTag(other)),
+        };
+        r.finish()?;
+        Ok(msg)
+    }
+
+    /// Appends the wire form to `buf`. Internal-only variants are refused.
+    pub fn encode(&self, buf: &mut BytesMut) -> Result<(), EncodeError> {
+        match self {
+            ProposerAcceptorMessage::Greeting(g) => {
+                buf.put_u8(b'g');
+                put_cstr(buf, "tenant_id", &g.tenant_id.to_string())?;
+                put_cstr(buf, "timeline_id", &g.timeline_id.to_string())?;
+                put_mconf(buf, &g.mconf)?;
+                buf.put_u32(g.pg_version);
+                buf.put_u64(g.system_id);
+                buf.put_u32(g.wal_seg_size);
+            }
+            ProposerAcceptorMessage::VoteRequest(v) => {
+                buf.put_u8(b'v');
+                buf.put_u32(v.generation.0);
+                buf.put_u64(v.term.0);
+            }
+            ProposerAcceptorMessage::Elected(e) => {
+                buf.put_u8(b'e');
+                buf.put_u32(e.generation.0);
+                buf.put_u64(e.term.0);
+                buf.put_u64(e.start_streaming_at.0);
+                put_term_history(buf, &e.term_history)?;
+            }
+            ProposerAcceptorMessage::AppendRequest(a) => {
+                let expected = a.h.end_lsn.checked_sub(a.h.begin_lsn);
+                if expected != Some(a.wal_data.len() as u64) {
+                    return Err(EncodeError::WalLengthMismatch {
+                        len: a.wal_data.len(),
+                        expected: expected.unwrap_or(0),
+                    });
+                }
+                if a.wal_data.len() > MAX_SEND_SIZE {
+                    return Err(EncodeError::AppendTooLarge(a.wal_data.len()));
+                }
+                buf.reserve(1 + 4 + 5 * 8 + a.wal_data.len());
+                buf.put_u8(b'a');
+                buf.put_u32(a.h.generation.0);
+                buf.put_u64(a.h.term.0);
+                buf.put_u64(a.h.begin_lsn.0);
+                buf.put_u64(a.h.end_lsn.0);
+                buf.put_u64(a.h.commit_lsn.0);
+                buf.put_u64(a.h.truncate_lsn.0);
+                buf.put_slice(&a.wal_data);
+            }
+            ProposerAcceptorMessage::NoFlushAppendRequest(_) => {
+                return Err(EncodeError::InternalOnly("NoFlushAppendRequest"));
+            }
+            ProposerAcceptorMessage::FlushWAL => return Err(EncodeError::InternalOnly("FlushWAL")),
+        }
+        Ok(())
+    }
+}
+
+impl AcceptorProposerMessage {
+    /// Decodes one frame sent by an acceptor.
+    pub fn decode(frame: &Bytes) -> Result<AcceptorProposerMessage, DecodeError> {
+        let (tag, mut r) = read_tag(frame)?;
+        let msg = match tag {
+            b'g' => AcceptorProposerMessage::Greeting(AcceptorGreeting {
+                node_id: NodeId(r.u64("node_id")?),
+                mconf: r.mconf()?,
+                term: r.term("term")?,
+            }),
+            b'v' => AcceptorProposerMessage::VoteResponse(VoteResponse {
+                generation: r.generation()?,
+                term: r.term("term")?,
+                vote_given: r.u8("vote_given")? != 0,
+                flush_lsn: r.lsn("flush_lsn")?,
+                truncate_lsn: r.lsn("truncate_lsn")?,
+                term_history: r.term_history()?,
+            }),
+            b'a' => {
+                let generation = r.generation()?;
+                let term = r.term("term")?;
+                let flush_lsn = r.lsn("flush_lsn")?;
+                let commit_lsn = r.lsn("commit_lsn")?;
+                let hs_feedback = HotStandbyFeedback {
+                    ts: r.i64("hs_feedback ts")?,
+                    xmin: r.u64("hs_feedback xmin")?,
+                    catalog_xmin: r.u64("hs_feedback catalog_xmin")?,
+                };
+                // The feedback block is present iff bytes remain (as walproposer parses it).
+                let pageserver_feedback = if r.buf.has_remaining() {
+                    Some(r.pageserver_feedback()?)
+                } else {
+                    None
+                };
+                AcceptorProposerMessage::AppendResponse(AppendResponse {
+                    generation,
+                    term,
+                    flush_lsn,
+                    commit_lsn,
+                    hs_feedback,
+                    pageserver_feedback,
+                })
+            }
+            other => return Err(DecodeError::UnknownTag(other)),
+        };
+        r.finish()?;
+        Ok(msg)
+    }
+
+    /// Appends the wire form to `buf`.
+    pub fn encode(&self, buf: &mut BytesMut) -> Result<(), EncodeError> {
+        match self {
+            AcceptorProposerMessage::Greeting(g) => {
+                buf.put_u8(b'g');
+                buf.put_u64(g.node_id.0);
+                put_mconf(buf, &g.mconf)?;
+                buf.put_u64(g.term.0);
+            }
+            AcceptorProposerMessage::VoteResponse(v) => {
+                buf.put_u8(b'v');
+                buf.put_u32(v.generation.0);
+                buf.put_u64(v.term.0);
+                buf.put_u8(v.vote_given as u8);
+                buf.put_u64(v.flush_lsn.0);
+                buf.put_u64(v.truncate_lsn.0);
+                put_term_history(buf, &v.term_history)?;
+            }
+            AcceptorProposerMessage::AppendResponse(a) => {
+                buf.put_u8(b'a');
+                buf.put_u32(a.generation.0);
+                buf.put_u64(a.term.0);
+                buf.put_u64(a.flush_lsn.0);
+                buf.put_u64(a.commit_lsn.0);
+                buf.put_i64(a.hs_feedback.ts);
+                buf.put_u64(a.hs_feedback.xmin);
+                buf.put_u64(a.hs_feedback.catalog_xmin);
+                if let Some(f) = &a.pageserver_feedback {
+                    put_pageserver_feedback(buf, f);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding helpers
+
+fn put_cstr(buf: &mut BytesMut, field: &'static str, s: &str) -> Result<(), EncodeError> {
+    if s.as_bytes().contains(&0) {
+        return Err(EncodeError::NulInString { field });
+    }
+    buf.put_slice(s.as_bytes());
+    buf.put_u8(0);
+    Ok(())
+}
+
+fn put_members(
+    buf: &mut BytesMut,
+    field: &'static str,
+    members: &[SafekeeperId],
+) -> Result<(), EncodeError> {
+    if members.len() > MAX_MEMBERS {
+        return Err(EncodeError::TooMany {
+            field,
+            count: members.len(),
+            max: MAX_MEMBERS,
+        });
+    }
+    buf.put_u32(members.len() as u32);
+    for m in members {
+        buf.put_u64(m.id.0);
+        put_cstr(buf, "member host", &m.host)?;
+        buf.put_u16(m.pg_port);
+    }
+    Ok(())
+}
+
+fn put_mconf(buf: &mut BytesMut, mconf: &Configuration) -> Result<(), EncodeError> {
+    buf.put_u32(mconf.generation.0);
+    put_members(buf, "members", &mconf.members)?;
+    // `None` and `Some(empty)` are both "not joint": 0 new members.
+    put_members(
+        buf,
+        "new members",
+        mconf.new_members.as_deref().unwrap_or(&[]),
+    )
+}
+
+fn put_term_history(buf: &mut BytesMut, history: &TermHistory) -> Result<(), EncodeError> {
+    if history.0.len() > MAX_TERM_HISTORY_ENTRIES {
+        return Err(EncodeError::TooMany {
+            field: "term history",
+            count: history.0.len(),
+            max: MAX_TERM_HISTORY_ENTRIES,
+        });
+    }
+    buf.put_u32(history.0.len() as u32);
+    for e in &history.0 {
+        buf.put_u64(e.term.0);
+        buf.put_u64(e.lsn.0);
+    }
+    Ok(())
+}
+
+/// Neon's `PageserverFeedback::serialize`: always the five core keys, then the optional ones.
+fn put_pageserver_feedback(buf: &mut BytesMut, f: &PageserverFeedback) {
+    let count_at = buf.len();
+    buf.put_u8(0);
+    let mut nkeys = 0u8;
+    let mut put_u64 = |buf: &mut BytesMut, key: &[u8], v: u64| {
+        buf.put_slice(key);
+        buf.put_i32(8);
+        buf.put_u64(v);
+        nkeys += 1;
+    };
+    put_u64(buf, b"current_timeline_size\0", f.current_timeline_size);
+    put_u64(buf, b"ps_writelsn\0", f.last_received_lsn.0);
+    put_u64(buf, b"ps_flushlsn\0", f.disk_consistent_lsn.0);
+    put_u64(buf, b"ps_applylsn\0", f.remote_consistent_lsn.0);
+    put_u64(buf, b"ps_replytime\0", f.replytime as u64);
+    if f.shard_number > 0 {
+        buf.put_slice(b"shard_number\0");
+        buf.put_i32(4);
+        buf.put_u32(f.shard_number);
+        nkeys += 1;
+    }
+    if f.corruption_detected {
+        buf.put_slice(b"corruption_detected\0");
+        buf.put_i32(1);
+        buf.put_u8(1);
+        nkeys += 1;
+    }
+    buf[count_at] = nkeys;
+}
+
+#[cfg(test)]
+mod tests;
