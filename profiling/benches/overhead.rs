@@ -52,7 +52,8 @@ unsafe impl GlobalAlloc for Dispatch {
         if USE_GLIBC.load(Ordering::Relaxed) && layout.align() <= 16 {
             unsafe { __libc_realloc(ptr, new_size) }
         } else if USE_GLIBC.load(Ordering::Relaxed) {
-            let new = unsafe { self.alloc(Layout::from_size_align_unchecked(new_size, layout.align())) };
+            let new =
+                unsafe { self.alloc(Layout::from_size_align_unchecked(new_size, layout.align())) };
             if !new.is_null() {
                 unsafe { std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size)) };
                 unsafe { self.dealloc(ptr, layout) };

@@ -28,6 +28,11 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_LISTEN_HTTP", default_value = "127.0.0.1:7676")]
     pub listen_http: SocketAddr,
 
+    /// File holding a shared secret that clients of the PostgreSQL port must send as their
+    /// password (cleartext). Without it, connections are trusted (loopback use).
+    #[arg(long, env = "SAFEKEEPER_PG_AUTH_TOKEN_FILE")]
+    pub pg_auth_token_file: Option<PathBuf>,
+
     /// Skip every fsync. Only for tests and benchmarks: a crash can lose acknowledged WAL.
     #[arg(long, env = "SAFEKEEPER_NO_SYNC")]
     pub no_sync: bool,
@@ -47,6 +52,7 @@ impl Conf {
             listen_pg: "127.0.0.1:0".parse().expect("valid address"),
             listen_http: "127.0.0.1:0".parse().expect("valid address"),
             no_sync: false,
+            pg_auth_token_file: None,
         }
     }
 }

@@ -11,13 +11,17 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail};
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::Conf;
-use crate::http;
+use crate::pq::server::ServerConfig;
+use crate::timeline::GlobalTimelines;
+use crate::{http, wal_service};
 
 /// Name of the lock file inside the data directory.
 pub const LOCK_FILE: &str = "safekeeper.lock";
@@ -71,6 +75,7 @@ impl DataDirLock {
 /// Listeners bound before serving, so callers can learn ephemeral ports.
 pub struct Listeners {
     pub http: TcpListener,
+    pub pg: TcpListener,
 }
 
 impl Listeners {
@@ -79,6 +84,10 @@ impl Listeners {
             .local_addr()
             .expect("bound listener has an address")
     }
+
+    pub fn pg_addr(&self) -> SocketAddr {
+        self.pg.local_addr().expect("bound listener has an address")
+    }
 }
 
 /// Binds every listener the configuration names.
@@ -86,7 +95,10 @@ pub async fn bind(conf: &Conf) -> anyhow::Result<Listeners> {
     let http = TcpListener::bind(conf.listen_http)
         .await
         .with_context(|| format!("binding the HTTP listener on {}", conf.listen_http))?;
-    Ok(Listeners { http })
+    let pg = TcpListener::bind(conf.listen_pg)
+        .await
+        .with_context(|| format!("binding the PostgreSQL listener on {}", conf.listen_pg))?;
+    Ok(Listeners { http, pg })
 }
 
 /// Process-wide state shared by the HTTP handlers and the services.
@@ -94,32 +106,95 @@ pub struct SharedState {
     pub conf: Conf,
     pub started: Instant,
     pub started_at: SystemTime,
+    pub timelines: Arc<GlobalTimelines>,
 }
 
-/// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish, and
-/// returns.
+/// How long shutdown waits for connections to finish their in-flight work.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
+
+/// Serves until `shutdown` resolves, then stops accepting, lets in-flight work finish (queued
+/// WAL is written and flushed), persists every timeline's state, and returns.
 pub async fn run(
     conf: Conf,
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let lock = DataDirLock::acquire(&conf.datadir)?;
+    let server_config = ServerConfig {
+        password: match &conf.pg_auth_token_file {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --pg-auth-token-file {}", path.display()))?
+                    .trim_end_matches(['\n', '\r'])
+                    .as_bytes()
+                    .to_vec(),
+            ),
+            None => None,
+        },
+        ..ServerConfig::default()
+    };
+    let timelines = {
+        let (datadir, node_id, no_sync) = (conf.datadir.clone(), conf.node_id(), conf.no_sync);
+        tokio::task::spawn_blocking(move || GlobalTimelines::load(&datadir, node_id, no_sync))
+            .await
+            .context("loading timelines")??
+    };
+    let timelines = Arc::new(timelines);
+    profiling::register_metrics();
+    crate::metrics::register();
+    crate::metrics::TimelineCollector::register(&timelines);
     tracing::info!(
         id = conf.id,
         datadir = %conf.datadir.display(),
         http = %listeners.http_addr(),
+        pg = %listeners.pg_addr(),
+        timelines = timelines.all().len(),
+        no_sync = conf.no_sync,
         "safekeeper started"
     );
-    profiling::register_metrics();
+
+    let cancel = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    let manager = tokio::spawn(timelines.clone().run_manager(cancel.clone()));
+    let pg = tokio::spawn(wal_service::run(
+        listeners.pg,
+        timelines.clone(),
+        server_config,
+        cancel.clone(),
+        tasks.clone(),
+    ));
     let state = Arc::new(SharedState {
         conf,
         started: Instant::now(),
         started_at: SystemTime::now(),
+        timelines: timelines.clone(),
     });
-    axum::serve(listeners.http, http::app(state))
-        .with_graceful_shutdown(shutdown)
+    let http_cancel = cancel.clone();
+    let http = tokio::spawn(
+        axum::serve(listeners.http, http::app(state))
+            .with_graceful_shutdown(async move { http_cancel.cancelled().await })
+            .into_future(),
+    );
+
+    shutdown.await;
+    cancel.cancel();
+    let _ = pg.await;
+    tasks.close();
+    if tokio::time::timeout(SHUTDOWN_GRACE, tasks.wait())
         .await
-        .context("HTTP server")?;
+        .is_err()
+    {
+        tracing::warn!("connections did not finish within {SHUTDOWN_GRACE:?}");
+    }
+    let _ = manager.await;
+    tokio::task::spawn_blocking(move || timelines.persist_all())
+        .await
+        .context("persisting timelines")?;
+    match tokio::time::timeout(SHUTDOWN_GRACE, http).await {
+        Ok(Ok(Err(e))) => tracing::error!("HTTP server: {e}"),
+        Err(_) => tracing::warn!("HTTP server did not stop in time"),
+        _ => {}
+    }
     tracing::info!(lock = %lock.path().display(), "safekeeper stopped");
     Ok(())
 }

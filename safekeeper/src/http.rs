@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -12,6 +12,8 @@ use axum::{Json, Router};
 use serde::Serialize;
 
 use crate::daemon::SharedState;
+use crate::timeline::TimelineStatus;
+use crate::types::TenantTimelineId;
 
 /// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
 /// generic body (details in the log) for ours.
@@ -46,7 +48,12 @@ impl IntoResponse for ApiError {
 pub fn app(state: Arc<SharedState>) -> Router {
     let router = Router::new()
         .route("/v1/status", get(status))
-        .route("/metrics", get(metrics));
+        .route("/metrics", get(metrics))
+        .route("/v1/timelines", get(timelines))
+        .route(
+            "/v1/tenant/{tenant_id}/timeline/{timeline_id}",
+            get(timeline_status),
+        );
     #[cfg(feature = "testing")]
     let router = router.merge(testing::routes());
     router.with_state(state).merge(profiling::router())
@@ -76,6 +83,29 @@ async fn status(State(state): State<Arc<SharedState>>) -> Json<Status> {
             .display()
             .to_string(),
     })
+}
+
+async fn timelines(State(state): State<Arc<SharedState>>) -> Json<Vec<TimelineStatus>> {
+    Json(state.timelines.all().iter().map(|t| t.status()).collect())
+}
+
+async fn timeline_status(
+    State(state): State<Arc<SharedState>>,
+    Path((tenant_id, timeline_id)): Path<(String, String)>,
+) -> Result<Json<TimelineStatus>, ApiError> {
+    let ttid = TenantTimelineId {
+        tenant_id: tenant_id
+            .parse()
+            .map_err(|e: crate::types::IdParseError| ApiError::BadRequest(e.to_string()))?,
+        timeline_id: timeline_id
+            .parse()
+            .map_err(|e: crate::types::IdParseError| ApiError::BadRequest(e.to_string()))?,
+    };
+    let tl = state
+        .timelines
+        .get(&ttid)
+        .ok_or_else(|| ApiError::NotFound(format!("timeline {ttid} not found")))?;
+    Ok(Json(tl.status()))
 }
 
 async fn metrics() -> Result<Response, ApiError> {

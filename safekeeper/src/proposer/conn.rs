@@ -1,0 +1,147 @@
+//! One proposer→safekeeper connection: a PostgreSQL replication connection in which
+//! `START_WAL_PUSH (proto_version '3')` opens a duplex stream of protocol-v3 messages.
+//!
+//! Used by the walproposer, by tests and by benchmarks; it does no consensus of its own.
+
+use bytes::BytesMut;
+use tokio::io::{ReadHalf, WriteHalf};
+use tokio::net::TcpStream;
+
+use crate::pq::PqError;
+use crate::pq::client::{ClientConfig, ClientConn, CopyBothReader, CopyBothWriter, CopyEvent};
+use crate::protocol::{AcceptorProposerMessage, DecodeError, EncodeError, ProposerAcceptorMessage};
+use crate::types::TenantTimelineId;
+
+/// Errors of a proposer connection.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error(transparent)]
+    Pq(Box<PqError>),
+    #[error("invalid message from the safekeeper: {0}")]
+    Decode(#[from] DecodeError),
+    #[error("cannot encode message: {0}")]
+    Encode(#[from] EncodeError),
+    #[error("the safekeeper ended the stream")]
+    Closed,
+}
+
+impl From<PqError> for ConnError {
+    fn from(e: PqError) -> Self {
+        ConnError::Pq(Box::new(e))
+    }
+}
+
+/// Where and how to connect.
+#[derive(Clone, Debug)]
+pub struct SafekeeperAddr {
+    pub host: String,
+    pub port: u16,
+    /// Shared secret of `--pg-auth-token-file`, if the safekeeper requires one.
+    pub password: Option<String>,
+}
+
+impl SafekeeperAddr {
+    /// Parses `host:port`.
+    pub fn parse(s: &str) -> Result<SafekeeperAddr, String> {
+        let (host, port) = s
+            .rsplit_once(':')
+            .ok_or_else(|| format!("invalid safekeeper address {s:?}: expected host:port"))?;
+        let port = port
+            .parse()
+            .map_err(|_| format!("invalid port in safekeeper address {s:?}"))?;
+        Ok(SafekeeperAddr {
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            port,
+            password: None,
+        })
+    }
+}
+
+impl std::fmt::Display for SafekeeperAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.host, self.port)
+    }
+}
+
+/// The sending half of a WAL push stream.
+pub struct PushWriter {
+    inner: CopyBothWriter<WriteHalf<TcpStream>>,
+    buf: BytesMut,
+}
+
+/// The receiving half of a WAL push stream.
+pub struct PushReader {
+    inner: CopyBothReader<ReadHalf<TcpStream>>,
+}
+
+/// Connects and opens `START_WAL_PUSH` for `ttid`.
+pub async fn connect_push(
+    addr: &SafekeeperAddr,
+    ttid: TenantTimelineId,
+    allow_timeline_creation: bool,
+    application_name: &str,
+) -> Result<(PushReader, PushWriter), ConnError> {
+    let mut config = ClientConfig::new(addr.host.clone(), addr.port, "walproposer");
+    config.application_name = Some(application_name.to_string());
+    config.options = Some(format!(
+        "-c tenant_id={} timeline_id={}",
+        ttid.tenant_id, ttid.timeline_id
+    ));
+    config.password = addr.password.clone();
+    let conn = ClientConn::connect(&config).await?;
+    let (r, w) = conn
+        .start_copy_both(&format!(
+            "START_WAL_PUSH (proto_version '3', allow_timeline_creation '{allow_timeline_creation}')"
+        ))
+        .await?;
+    Ok((
+        PushReader { inner: r },
+        PushWriter {
+            inner: w,
+            buf: BytesMut::with_capacity(64 * 1024),
+        },
+    ))
+}
+
+impl PushWriter {
+    /// Queues a message (call [`PushWriter::flush`] to send what is queued).
+    pub fn queue(&mut self, msg: &ProposerAcceptorMessage) -> Result<(), ConnError> {
+        self.buf.clear();
+        msg.encode(&mut self.buf)?;
+        self.inner.write_copy_data(&self.buf);
+        Ok(())
+    }
+
+    /// Bytes queued and not yet sent.
+    pub fn buffered(&self) -> usize {
+        self.inner.buffered()
+    }
+
+    pub async fn flush(&mut self) -> Result<(), ConnError> {
+        Ok(self.inner.flush().await?)
+    }
+
+    /// Queues and sends one message.
+    pub async fn send(&mut self, msg: &ProposerAcceptorMessage) -> Result<(), ConnError> {
+        self.queue(msg)?;
+        self.flush().await
+    }
+
+    /// Ends the stream cleanly (CopyDone).
+    pub async fn finish(&mut self) -> Result<(), ConnError> {
+        Ok(self.inner.send_copy_done().await?)
+    }
+}
+
+impl PushReader {
+    /// The next reply. Cancellation-safe.
+    pub async fn recv(&mut self) -> Result<AcceptorProposerMessage, ConnError> {
+        match self.inner.read().await? {
+            CopyEvent::Data(frame) => Ok(AcceptorProposerMessage::decode(&frame)?),
+            CopyEvent::Done => Err(ConnError::Closed),
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! The PostgreSQL-protocol listener: handshake, then replication commands, one task per
+//! connection.
+//!
+//! The timeline comes from the startup `options` (`-c tenant_id=… timeline_id=…`, neon's
+//! convention). A reader that names none is served the node's only timeline when there is
+//! exactly one, so a plain `primary_conninfo` works against a single-timeline safekeeper.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::metrics;
+use crate::pq::PqError;
+use crate::pq::codec::{ErrorFields, FieldDescription, FrontendMessage, sqlstate};
+use crate::pq::command::{ReplicationCommand, parse_command, parse_options};
+use crate::pq::server::{ServerConfig, ServerConn};
+use crate::receive_wal::handle_wal_push;
+use crate::send_wal::{StreamEnd, handle_start_replication};
+use crate::timeline::{GlobalTimelines, Timeline};
+use crate::types::TenantTimelineId;
+
+/// How long a client may take to finish the startup handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a connection may stay silent in query mode.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Accepts connections until `shutdown` is cancelled; connection tasks are tracked by `tasks`
+/// so the caller can wait for them to finish.
+pub async fn run(
+    listener: TcpListener,
+    timelines: Arc<GlobalTimelines>,
+    config: ServerConfig,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shutdown.cancelled() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!("accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let timelines = timelines.clone();
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            match handle_connection(stream, timelines, config, shutdown).await {
+                Ok(()) => metrics::PG_CONNECTIONS.with_label_values(&["ok"]).inc(),
+                Err(e) => {
+                    metrics::PG_CONNECTIONS.with_label_values(&["error"]).inc();
+                    tracing::info!(%peer, "connection ended: {e}");
+                }
+            }
+        });
+    }
+}
+
+async fn handle_connection(
+    stream: TcpStream,
+    timelines: Arc<GlobalTimelines>,
+    config: ServerConfig,
+    shutdown: CancellationToken,
+) -> Result<(), PqError> {
+    let mut conn = ServerConn::new(stream, config);
+    let params = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
+        Ok(r) => r?,
+        Err(_) => return Err(PqError::Io(std::io::ErrorKind::TimedOut.into())),
+    };
+    let appname = params.application_name().unwrap_or("").to_string();
+    let options = match parse_options(params.get("options").unwrap_or("")) {
+        Ok(o) => o,
+        Err(e) => {
+            conn.send_fatal(ErrorFields::fatal(
+                sqlstate::INVALID_PARAMETER_VALUE,
+                e.to_string(),
+            ))
+            .await?;
+            return Ok(());
+        }
+    };
+    let conn_ttid = match (options.tenant_id, options.timeline_id) {
+        (Some(tenant_id), Some(timeline_id)) => Some(TenantTimelineId {
+            tenant_id,
+            timeline_id,
+        }),
+        (None, None) => None,
+        _ => {
+            conn.send_fatal(ErrorFields::fatal(
+                sqlstate::INVALID_PARAMETER_VALUE,
+                "options must name both tenant_id and timeline_id",
+            ))
+            .await?;
+            return Ok(());
+        }
+    };
+
+    loop {
+        let msg = tokio::select! {
+            m = tokio::time::timeout(IDLE_TIMEOUT, conn.read_message()) => match m {
+                Ok(m) => m?,
+                Err(_) => return Ok(()),
+            },
+            _ = shutdown.cancelled() => {
+                conn.send_fatal(ErrorFields::fatal(sqlstate::ADMIN_SHUTDOWN, "the safekeeper is shutting down")).await?;
+                return Ok(());
+            }
+        };
+        let query = match msg {
+            Some(FrontendMessage::Query(q)) => q,
+            Some(FrontendMessage::Terminate) | None => return Ok(()),
+            Some(other) => {
+                conn.send_fatal(ErrorFields::fatal(
+                    sqlstate::PROTOCOL_VIOLATION,
+                    format!("unexpected message in query mode: {other:?}"),
+                ))
+                .await?;
+                return Ok(());
+            }
+        };
+        let cmd = match parse_command(&query) {
+            Ok(c) => c,
+            Err(e) => {
+                conn.send_error(e.to_error_fields()).await?;
+                continue;
+            }
+        };
+        tracing::debug!(?cmd, %appname, "command");
+        match cmd {
+            ReplicationCommand::StartWalPush {
+                proto_version,
+                allow_timeline_creation,
+            } => {
+                return handle_wal_push(
+                    conn,
+                    timelines,
+                    conn_ttid,
+                    proto_version,
+                    allow_timeline_creation,
+                    shutdown,
+                )
+                .await;
+            }
+            ReplicationCommand::StartReplication {
+                start_lsn, term, ..
+            } => {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                    continue;
+                };
+                match handle_start_replication(conn, tl, start_lsn, term, shutdown.clone()).await? {
+                    StreamEnd::CopyDone(c) => conn = c,
+                    StreamEnd::Closed => return Ok(()),
+                }
+            }
+            ReplicationCommand::IdentifySystem => {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                    continue;
+                };
+                let pos = tl.positions();
+                // Proposers and peers recovering WAL see all durable WAL; readers see committed.
+                let xlogpos =
+                    if appname == "wal_proposer_recovery" || appname.starts_with("safekeeper") {
+                        pos.flush_lsn
+                    } else {
+                        pos.commit_lsn
+                    };
+                conn.send_result_set(
+                    &[
+                        FieldDescription::text("systemid"),
+                        FieldDescription::int4("timeline"),
+                        FieldDescription::text("xlogpos"),
+                        FieldDescription::text("dbname"),
+                    ],
+                    &[vec![
+                        Some(tl.system_id().to_string()),
+                        Some("1".to_string()),
+                        Some(xlogpos.to_string()),
+                        None,
+                    ]],
+                    "IDENTIFY_SYSTEM",
+                )
+                .await?;
+            }
+            ReplicationCommand::TimelineStatus => {
+                let fields = [
+                    FieldDescription::text("flush_lsn"),
+                    FieldDescription::text("commit_lsn"),
+                ];
+                let rows: Vec<Vec<Option<String>>> = match conn_ttid.and_then(|t| timelines.get(&t))
+                {
+                    Some(tl) => {
+                        let pos = tl.positions();
+                        vec![vec![
+                            Some(pos.flush_lsn.to_string()),
+                            Some(pos.commit_lsn.to_string()),
+                        ]]
+                    }
+                    None => Vec::new(),
+                };
+                conn.send_result_set(&fields, &rows, "TIMELINE_STATUS")
+                    .await?;
+            }
+            ReplicationCommand::Show(name) => {
+                let value = match name.as_str() {
+                    "data_directory_mode" => Some("0700".to_string()),
+                    "wal_segment_size" => {
+                        let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                            continue;
+                        };
+                        Some(format_seg_size(tl.seg_size))
+                    }
+                    _ => None,
+                };
+                match value {
+                    Some(v) => {
+                        conn.send_result_set(
+                            &[FieldDescription::text(&name)],
+                            &[vec![Some(v)]],
+                            "SHOW",
+                        )
+                        .await?
+                    }
+                    None => {
+                        conn.send_error(ErrorFields::error(
+                            sqlstate::UNDEFINED_OBJECT,
+                            format!("unrecognized configuration parameter \"{name}\""),
+                        ))
+                        .await?
+                    }
+                }
+            }
+            ReplicationCommand::ReadReplicationSlot(slot) => {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                    continue;
+                };
+                // Slots are not kept here: every slot name maps to the oldest WAL we hold, so a
+                // reader with a slot starts where our WAL starts.
+                tracing::debug!(%slot, "READ_REPLICATION_SLOT");
+                conn.send_result_set(
+                    &[
+                        FieldDescription::text("slot_type"),
+                        FieldDescription::text("restart_lsn"),
+                        FieldDescription::int8("restart_tli"),
+                    ],
+                    &[vec![
+                        Some("physical".to_string()),
+                        Some(tl.oldest_available_lsn().to_string()),
+                        Some("1".to_string()),
+                    ]],
+                    "READ_REPLICATION_SLOT",
+                )
+                .await?;
+            }
+            ReplicationCommand::TimelineHistory(tli) => {
+                conn.send_error(ErrorFields::error(
+                    sqlstate::UNDEFINED_OBJECT,
+                    format!("could not send timeline history {tli}: only timeline 1 exists here"),
+                ))
+                .await?;
+            }
+            ReplicationCommand::SetDatestyle => conn.send_command_complete("SET").await?,
+        }
+    }
+}
+
+/// The timeline a reader's command is about, or an error sent to it (`None`).
+async fn resolve<S>(
+    conn: &mut ServerConn<S>,
+    timelines: &GlobalTimelines,
+    conn_ttid: Option<TenantTimelineId>,
+) -> Result<Option<Arc<Timeline>>, PqError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let found = match conn_ttid {
+        Some(ttid) => timelines
+            .get(&ttid)
+            .ok_or_else(|| format!("timeline {ttid} not found")),
+        None => {
+            let all = timelines.all();
+            match all.len() {
+                1 => Ok(all[0].clone()),
+                0 => Err("this safekeeper has no timelines yet".to_string()),
+                n => Err(format!(
+                    "this safekeeper has {n} timelines: name one with \
+                     options='-c tenant_id=<hex> timeline_id=<hex>'"
+                )),
+            }
+        }
+    };
+    match found {
+        Ok(tl) => Ok(Some(tl)),
+        Err(msg) => {
+            conn.send_error(ErrorFields::error(sqlstate::UNDEFINED_OBJECT, msg))
+                .await?;
+            Ok(None)
+        }
+    }
+}
+
+/// `SHOW wal_segment_size` the way PostgreSQL prints it: `16MB`, `1GB`.
+pub fn format_seg_size(bytes: u64) -> String {
+    if bytes >= 1 << 30 && bytes.is_multiple_of(1 << 30) {
+        format!("{}GB", bytes >> 30)
+    } else {
+        format!("{}MB", bytes >> 20)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_sizes_print_like_postgres() {
+        assert_eq!(format_seg_size(16 << 20), "16MB");
+        assert_eq!(format_seg_size(1 << 20), "1MB");
+        assert_eq!(format_seg_size(1 << 30), "1GB");
+    }
+}

@@ -1,0 +1,193 @@
+//! Shared helpers of the loopback integration tests: an in-process daemon on ephemeral ports,
+//! and a minimal single-safekeeper proposer over the real protocol.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use safekeeper::config::Conf;
+use safekeeper::daemon;
+use safekeeper::proposer::conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
+use safekeeper::protocol::{
+    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
+    ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
+};
+use safekeeper::state::Configuration;
+use safekeeper::types::{
+    Generation, Lsn, TenantId, TenantTimelineId, Term, TermHistory, TermLsn, TimelineId,
+};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub const SEG_SIZE: u64 = 16 << 20;
+pub const SYSID: u64 = 7_400_000_000_000_000_001;
+
+/// A daemon running inside the test process.
+pub struct TestDaemon {
+    pub datadir: PathBuf,
+    pub pg: SocketAddr,
+    pub http: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl TestDaemon {
+    pub async fn start(datadir: &Path) -> TestDaemon {
+        let conf = Conf::for_tests(datadir.to_path_buf());
+        let listeners = daemon::bind(&conf).await.expect("bind");
+        let (pg, http) = (listeners.pg_addr(), listeners.http_addr());
+        let (tx, rx) = oneshot::channel();
+        let task = tokio::spawn(daemon::run(conf, listeners, async move {
+            let _ = rx.await;
+        }));
+        TestDaemon {
+            datadir: datadir.to_path_buf(),
+            pg,
+            http,
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    /// Graceful stop (like SIGTERM); returns the daemon's result.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        let _ = self.stop.take().expect("running").send(());
+        self.task
+            .take()
+            .expect("running")
+            .await
+            .expect("daemon task")
+    }
+
+    pub fn addr(&self) -> SafekeeperAddr {
+        SafekeeperAddr {
+            host: "127.0.0.1".into(),
+            port: self.pg.port(),
+            password: None,
+        }
+    }
+
+    pub async fn get_json(&self, path: &str) -> serde_json::Value {
+        http_get_json(self.http, path).await
+    }
+}
+
+/// A tiny HTTP/1.0 GET (enough for our JSON API).
+pub async fn http_get_json(addr: SocketAddr, path: &str) -> serde_json::Value {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect http");
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).await.expect("read");
+    let text = String::from_utf8(resp).expect("utf8");
+    let body = text.split("\r\n\r\n").nth(1).expect("body");
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+pub fn ttid() -> TenantTimelineId {
+    TenantTimelineId {
+        tenant_id: "de200bd42b49cc1814412c7e592dd6e9"
+            .parse::<TenantId>()
+            .unwrap(),
+        timeline_id: "9e4c8f36bca74c2bc9b7b0f1bd0c6f0b"
+            .parse::<TimelineId>()
+            .unwrap(),
+    }
+}
+
+pub fn greeting() -> ProposerAcceptorMessage {
+    let t = ttid();
+    ProposerAcceptorMessage::Greeting(ProposerGreeting {
+        tenant_id: t.tenant_id,
+        timeline_id: t.timeline_id,
+        mconf: Configuration::default(),
+        pg_version: 150018,
+        system_id: SYSID,
+        wal_seg_size: SEG_SIZE as u32,
+    })
+}
+
+/// A proposer connected to one safekeeper.
+pub struct Proposer {
+    pub reader: PushReader,
+    pub writer: PushWriter,
+    pub term: Term,
+}
+
+impl Proposer {
+    /// Connects and greets.
+    pub async fn connect(d: &TestDaemon) -> Proposer {
+        let (mut reader, mut writer) = connect_push(&d.addr(), ttid(), true, "test")
+            .await
+            .expect("connect");
+        writer.send(&greeting()).await.expect("send greeting");
+        let AcceptorProposerMessage::Greeting(g) = reader.recv().await.expect("greeting reply")
+        else {
+            panic!("expected a greeting reply");
+        };
+        Proposer {
+            reader,
+            writer,
+            term: g.term,
+        }
+    }
+
+    /// Asks for a vote in `term`.
+    pub async fn vote(&mut self, term: Term) -> VoteResponse {
+        self.writer
+            .send(&ProposerAcceptorMessage::VoteRequest(VoteRequest {
+                generation: Generation(0),
+                term,
+            }))
+            .await
+            .expect("send vote");
+        match self.reader.recv().await.expect("vote reply") {
+            AcceptorProposerMessage::VoteResponse(v) => v,
+            other => panic!("expected a vote response, got {other:?}"),
+        }
+    }
+
+    /// Wins `term` (single safekeeper) with `history` ending in `(term, start)`.
+    pub async fn elect(&mut self, term: Term, mut history: TermHistory, start: Lsn) {
+        let v = self.vote(term).await;
+        assert!(v.vote_given, "vote refused: {v:?}");
+        history.0.push(TermLsn { term, lsn: start });
+        self.writer
+            .send(&ProposerAcceptorMessage::Elected(ProposerElected {
+                generation: Generation(0),
+                term,
+                start_streaming_at: start,
+                term_history: history,
+            }))
+            .await
+            .expect("send elected");
+        self.term = term;
+    }
+
+    pub fn append(&self, begin: Lsn, data: &[u8], commit: Lsn) -> ProposerAcceptorMessage {
+        append_msg(self.term, begin, data, commit)
+    }
+}
+
+/// An append of `data` at `begin` in `term`.
+pub fn append_msg(term: Term, begin: Lsn, data: &[u8], commit: Lsn) -> ProposerAcceptorMessage {
+    {
+        ProposerAcceptorMessage::AppendRequest(AppendRequest {
+            h: AppendRequestHeader {
+                generation: Generation(0),
+                term,
+                begin_lsn: begin,
+                end_lsn: Lsn(begin.0 + data.len() as u64),
+                commit_lsn: commit,
+                truncate_lsn: Lsn::INVALID,
+            },
+            wal_data: Bytes::copy_from_slice(data),
+        })
+    }
+}
