@@ -23,6 +23,10 @@ pub enum ConnError {
     Encode(#[from] EncodeError),
     #[error("the safekeeper ended the stream")]
     Closed,
+    #[error("unexpected reply: {0}")]
+    Unexpected(String),
+    #[error("fetching WAL: {0}")]
+    Fetch(String),
 }
 
 impl From<PqError> for ConnError {

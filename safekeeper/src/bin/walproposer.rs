@@ -1,0 +1,156 @@
+//! walproposer: elects itself over N safekeepers and streams WAL to them, committing on a
+//! quorum. Thin: flags, tracing, then `safekeeper::proposer`.
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use safekeeper::proposer::conn::SafekeeperAddr;
+use safekeeper::proposer::synthetic::{self, SyntheticOptions};
+use safekeeper::proposer::{Proposer, ProposerConfig};
+use safekeeper::types::{Lsn, TenantId, TenantTimelineId, TimelineId};
+
+profiling::global_allocator!();
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Source {
+    /// Valid logical-message WAL from the built-in generator.
+    Synthetic,
+}
+
+/// Elects itself over N safekeepers (neon protocol v3) and streams WAL to them, committing on
+/// a quorum.
+#[derive(Parser, Debug)]
+#[command(name = "walproposer", version, about)]
+struct Args {
+    /// Safekeepers' PostgreSQL-protocol addresses, comma separated.
+    #[arg(
+        long,
+        env = "WALPROPOSER_SAFEKEEPERS",
+        value_delimiter = ',',
+        required = true
+    )]
+    safekeepers: Vec<String>,
+    /// Tenant id (32 hex characters).
+    #[arg(long, default_value = "de200bd42b49cc1814412c7e592dd6e9")]
+    tenant_id: TenantId,
+    /// Timeline id (32 hex characters).
+    #[arg(long, default_value = "9e4c8f36bca74c2bc9b7b0f1bd0c6f0b")]
+    timeline_id: TimelineId,
+    /// PostgreSQL system identifier of the WAL.
+    #[arg(long, default_value_t = 7_400_000_000_000_000_001)]
+    system_id: u64,
+    /// PostgreSQL version number.
+    #[arg(long, default_value_t = 150018)]
+    pg_version: u32,
+    /// WAL segment size in bytes (power of two, 1 MiB to 1 GiB).
+    #[arg(long, default_value_t = 16 << 20)]
+    wal_seg_size: u32,
+    /// Where WAL begins on an empty timeline.
+    #[arg(long, default_value = "0/1000000")]
+    start_lsn: Lsn,
+    /// Password for safekeepers started with --pg-auth-token-file.
+    #[arg(long, env = "WALPROPOSER_PASSWORD")]
+    password: Option<String>,
+    /// Elect, make the end of WAL committed on a quorum, print that LSN, exit.
+    #[arg(long)]
+    sync: bool,
+    /// Where WAL comes from.
+    #[arg(long, value_enum, default_value = "synthetic")]
+    source: Source,
+    /// Synthetic: payload bytes per record.
+    #[arg(long, default_value = "1024", value_parser = parse_size)]
+    record_size: u64,
+    /// Synthetic: total WAL to generate (bytes; K, M, G suffixes are powers of 1024).
+    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    total: u64,
+    /// Synthetic: WAL bytes per second (default: as fast as the quorum commits).
+    #[arg(long, value_parser = parse_size)]
+    rate: Option<u64>,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((i, _)) => {
+            let mult = match s[i..]
+                .to_ascii_uppercase()
+                .trim_end_matches("IB")
+                .trim_end_matches('B')
+            {
+                "" => 1,
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                "G" => 1 << 30,
+                other => return Err(format!("unknown size suffix {other:?} in {s:?}")),
+            };
+            (&s[..i], mult)
+        }
+        None => (s, 1),
+    };
+    num.trim()
+        .parse::<u64>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("invalid size {s:?}: expected e.g. 1024, 64K, 16M, 1G"))
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(Args::parse()).await {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let safekeepers = args
+        .safekeepers
+        .iter()
+        .map(|s| {
+            SafekeeperAddr::parse(s).map(|mut a| {
+                a.password = args.password.clone();
+                a
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(anyhow::Error::msg)?;
+    let cfg = ProposerConfig {
+        safekeepers,
+        ttid: TenantTimelineId {
+            tenant_id: args.tenant_id,
+            timeline_id: args.timeline_id,
+        },
+        system_id: args.system_id,
+        pg_version: args.pg_version,
+        wal_seg_size: args.wal_seg_size,
+        start_lsn: args.start_lsn,
+        allow_timeline_creation: true,
+    };
+    let proposer = Proposer::elect(cfg).await.context("election")?;
+    tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
+    if args.sync {
+        let lsn = proposer.sync().await?;
+        println!("{lsn}");
+        proposer.shutdown().await;
+        return Ok(());
+    }
+    match args.source {
+        Source::Synthetic => {
+            let opts = SyntheticOptions {
+                record_size: args.record_size as usize,
+                total_bytes: args.total,
+                rate: args.rate,
+                ..SyntheticOptions::default()
+            };
+            let stats = synthetic::run(&proposer, &opts).await?;
+            println!("{}", serde_json::to_string(&stats)?);
+        }
+    }
+    proposer.shutdown().await;
+    Ok(())
+}
