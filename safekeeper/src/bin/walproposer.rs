@@ -1,6 +1,8 @@
 //! walproposer: elects itself over N safekeepers and streams WAL to them, committing on a
 //! quorum. Thin: flags, tracing, then `safekeeper::proposer`.
 
+use std::time::Duration;
+
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use safekeeper::proposer::conn::SafekeeperAddr;
@@ -135,8 +137,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
     if args.sync {
         let lsn = proposer.sync().await?;
+        proposer.finish(Duration::from_secs(10)).await;
         println!("{lsn}");
-        proposer.shutdown().await;
         return Ok(());
     }
     match args.source {
@@ -148,9 +150,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 ..SyntheticOptions::default()
             };
             let stats = synthetic::run(&proposer, &opts).await?;
+            proposer.finish(Duration::from_secs(10)).await;
             println!("{}", serde_json::to_string(&stats)?);
         }
     }
-    proposer.shutdown().await;
     Ok(())
 }

@@ -92,6 +92,8 @@ pub struct Progress {
     /// Safekeepers whose *persisted* commit LSN reached the term start (sync mode waits for a
     /// quorum of them).
     pub synced: usize,
+    /// Set by [`Proposer::finish`]: stream what is buffered, pass on the commit LSN, then end.
+    pub finishing: bool,
 }
 
 /// WAL kept in memory: `[start, start + bytes.len())`, trimmed below what every safekeeper has
@@ -331,6 +333,7 @@ impl Proposer {
             commit_lsn: Lsn::INVALID,
             stepped_down: None,
             synced: 0,
+            finishing: false,
         });
         let shared = Arc::new(Shared {
             term,
@@ -507,7 +510,18 @@ impl Proposer {
         })
     }
 
-    /// Stops streaming.
+    /// Ends streaming gracefully: every connected safekeeper gets the buffered WAL and the final
+    /// commit LSN before its stream is closed. Waits at most `timeout`, then stops anyway.
+    pub async fn finish(mut self, timeout: Duration) {
+        self.shared.progress.send_modify(|p| p.finishing = true);
+        let all = async { while self.tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(timeout, all).await.is_err() {
+            tracing::warn!("some safekeepers did not finish within {timeout:?}");
+        }
+        self.shutdown().await;
+    }
+
+    /// Stops streaming at once.
     pub async fn shutdown(mut self) {
         self.tasks.abort_all();
         while self.tasks.join_next().await.is_some() {}
@@ -556,7 +570,8 @@ async fn run_safekeeper(
     let addr = shared.cfg.safekeepers[idx].clone();
     let mut backoff = Duration::from_millis(100);
     loop {
-        if shared.progress.borrow().stepped_down.is_some() {
+        let p = *shared.progress.borrow();
+        if p.stepped_down.is_some() || (p.finishing && conn.is_none()) {
             return;
         }
         let established = match conn.take() {
@@ -673,6 +688,13 @@ async fn stream_to(
             sent_commit = p.commit_lsn;
         }
         writer.flush().await.map_err(|e| e.to_string())?;
+        if p.finishing && next >= p.end_lsn && sent_commit >= p.commit_lsn {
+            // Everything sent, the commit LSN included: end the stream and let the safekeeper
+            // process what is queued (it flushes on disconnect) before it closes its side.
+            writer.finish().await.map_err(|e| e.to_string())?;
+            while reader.recv().await.is_ok() {}
+            return Ok(());
+        }
 
         tokio::select! {
             reply = reader.recv() => match reply.map_err(|e| e.to_string())? {
