@@ -10,7 +10,8 @@
 //! committed bytes), and durability of commits (bytes a proposer saw committed stay present and
 //! identical on a quorum's durable WAL).
 //!
-//! Knobs: `MODEL_SEEDS=n` runs `n` seeds (default 3000) from `MODEL_SEED_START` (default 0);
+//! Knobs: `MODEL_SEEDS=n` runs `n` seeds (default 3000 of 400 steps, and 20 of 3000 steps in
+//! the long variant) from `MODEL_SEED_START` (default 0), `MODEL_STEPS` sets the steps;
 //! `MODEL_SEED=s` replays one seed (test `model_replay_one_seed`) and `MODEL_TRACE=1` prints its
 //! events. A failure prints its seed.
 
@@ -39,6 +40,9 @@ const START: Lsn = Lsn(0x0100_0000);
 const SEG: u32 = 16 << 20;
 const DEFAULT_SEEDS: u64 = 3000;
 const STEPS: usize = 400;
+/// Seeds and steps of the long-schedule variant (deeper histories, bigger logs).
+const LONG_SEEDS: u64 = 20;
+const LONG_STEPS: usize = 3000;
 /// Record layout: `u8 total_len`, `u64 term`, `u8 proposer`, `u64 seq`, filler.
 const RECORD_HEADER: usize = 18;
 
@@ -899,10 +903,10 @@ fn describe_pa(msg: &ProposerAcceptorMessage) -> String {
 }
 
 /// Runs one seed; returns its stats. Panics (with the seed) on an invariant violation.
-fn run_seed(seed: u64, trace: bool) -> Stats {
+fn run_seed(seed: u64, steps: usize, trace: bool) -> Stats {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut c = Cluster::new(seed, trace);
-        for _ in 0..STEPS {
+        for _ in 0..steps {
             c.step();
             c.check();
         }
@@ -913,8 +917,9 @@ fn run_seed(seed: u64, trace: bool) -> Stats {
         Ok(stats) => stats,
         Err(e) => {
             eprintln!(
-                "model test failed for seed {seed}; replay with MODEL_SEED={seed} MODEL_TRACE=1 \
-                 cargo test -p safekeeper --test model model_replay_one_seed -- --nocapture"
+                "model test failed for seed {seed} ({steps} steps); replay with MODEL_SEED={seed} \
+                 MODEL_STEPS={steps} MODEL_TRACE=1 cargo test -p safekeeper --test model \
+                 model_replay_one_seed -- --nocapture"
             );
             std::panic::resume_unwind(e)
         }
@@ -927,12 +932,23 @@ fn env_u64(name: &str) -> Option<u64> {
 
 #[test]
 fn model_random_schedules_keep_consensus_invariants() {
-    let seeds = env_u64("MODEL_SEEDS").unwrap_or(DEFAULT_SEEDS);
+    run_many(DEFAULT_SEEDS, STEPS);
+}
+
+/// Fewer, much longer schedules: many elections and power losses within one history.
+#[test]
+fn model_long_schedules_keep_consensus_invariants() {
+    run_many(LONG_SEEDS, LONG_STEPS);
+}
+
+fn run_many(default_seeds: u64, default_steps: usize) {
+    let seeds = env_u64("MODEL_SEEDS").unwrap_or(default_seeds);
     let first = env_u64("MODEL_SEED_START").unwrap_or(0);
+    let steps = env_u64("MODEL_STEPS").map_or(default_steps, |s| s as usize);
     let mut total = Stats::default();
     let mut seeds_with_commits = 0;
     for seed in first..first + seeds {
-        let s = run_seed(seed, false);
+        let s = run_seed(seed, steps, false);
         if s.commits_observed > 0 {
             seeds_with_commits += 1;
         }
@@ -946,7 +962,7 @@ fn model_random_schedules_keep_consensus_invariants() {
         }
     }
     eprintln!(
-        "model: {seeds} seeds x {STEPS} steps, {seeds_with_commits} seeds committed: {total:?}"
+        "model: {seeds} seeds x {steps} steps, {seeds_with_commits} seeds committed: {total:?}"
     );
     // The schedule must exercise the protocol, not idle: most seeds elect and commit.
     assert!(
@@ -963,6 +979,7 @@ fn model_replay_one_seed() {
         return;
     };
     let trace = std::env::var("MODEL_TRACE").is_ok_and(|v| v != "0");
-    let stats = run_seed(seed, trace);
+    let steps = env_u64("MODEL_STEPS").map_or(STEPS, |s| s as usize);
+    let stats = run_seed(seed, steps, trace);
     eprintln!("seed {seed}: {stats:?}");
 }
