@@ -1,8 +1,9 @@
 //! Seeded model test of the consensus core: a deterministic in-memory cluster of 3 acceptors
 //! (the real `SafeKeeper` over the in-memory fakes) and 2 competing proposers (a small but
 //! faithful model of walproposer), with random message interleaving, connection drops, acceptor
-//! power losses (un-synced WAL lost, the acceptor rebuilt from persisted state only) and
-//! proposer crashes. Every message goes through the real codec.
+//! power losses (un-synced WAL lost, the acceptor rebuilt from persisted state only),
+//! proposer crashes, and stale connections (an acceptor still reading messages a proposer sent
+//! on a connection it has already given up on). Every message goes through the real codec.
 //!
 //! After every step the TLA+ invariants of neon's `ProposerAcceptorStatic.tla` are checked:
 //! election safety (one proposer elected per term), log monotonicity (each acceptor's WAL is
@@ -146,6 +147,7 @@ struct Stats {
     power_losses: u64,
     drops: u64,
     committed_bytes: u64,
+    stale_delivered: u64,
     acceptor_errors: BTreeMap<String, u64>,
 }
 
@@ -156,6 +158,10 @@ struct Cluster {
     proposers: Vec<Proposer>,
     /// `conns[p][a]`.
     conns: Vec<Vec<Conn>>,
+    /// Queues of dropped connections that the acceptor may still read: the proposer gave up on
+    /// the socket, but bytes it had sent sit in the acceptor's receive buffer. `(p, a, queue)`;
+    /// replies go nowhere.
+    zombies: Vec<(usize, usize, VecDeque<Bytes>)>,
     /// term → (proposer, incarnation) elected in it.
     elected: BTreeMap<Term, (usize, u64)>,
     /// The longest committed prefix any proposer observed: bytes `[START, START + len)`.
@@ -208,6 +214,7 @@ impl Cluster {
             conns: (0..N_PROP)
                 .map(|_| (0..N_ACC).map(|_| Conn::default()).collect())
                 .collect(),
+            zombies: Vec::new(),
             elected: BTreeMap::new(),
             committed: Vec::new(),
             commit_by_term: BTreeMap::new(),
@@ -253,7 +260,13 @@ impl Cluster {
             return;
         }
         let dirty = conn.dirty;
+        let in_flight = std::mem::take(&mut conn.to_acc);
         *conn = Conn::default();
+        let acceptor_closed =
+            why == "power loss" || why.starts_with("acceptor") || why.starts_with("flush");
+        if !acceptor_closed && !in_flight.is_empty() && self.rng.random_bool(0.3) {
+            self.zombies.push((p, a, in_flight));
+        }
         self.proposers[p].views[a] = AccView::default();
         self.stats.drops += 1;
         self.log(|| format!("drop p{p}-a{a}: {why}"));
@@ -311,21 +324,61 @@ impl Cluster {
             }
             Ok(None) => {}
             Err(e) => {
-                match &e {
-                    SafeKeeperError::TruncateBelowCommit { .. }
-                    | SafeKeeperError::TermHistory(_)
-                    | SafeKeeperError::WalBelowCommit { .. } => {
-                        panic!("acceptor a{a} hit a safety error: {e}")
-                    }
-                    _ => {}
-                }
-                let kind = format!("{e:?}")
-                    .split([' ', '(', '{'])
-                    .next()
-                    .unwrap_or("")
-                    .to_string();
-                *self.stats.acceptor_errors.entry(kind).or_default() += 1;
+                self.on_acceptor_error(a, &e);
                 self.drop_conn(p, a, &format!("acceptor error: {e}"));
+            }
+        }
+    }
+
+    /// Safety errors fail the test; others close the connection (counted by kind).
+    fn on_acceptor_error(&mut self, a: usize, e: &SafeKeeperError) {
+        match e {
+            SafeKeeperError::TruncateBelowCommit { .. }
+            | SafeKeeperError::TermHistory(_)
+            | SafeKeeperError::WalBelowCommit { .. } => {
+                panic!("acceptor a{a} hit a safety error: {e}")
+            }
+            _ => {}
+        }
+        let kind = format!("{e:?}")
+            .split([' ', '(', '{'])
+            .next()
+            .unwrap_or("")
+            .to_string();
+        *self.stats.acceptor_errors.entry(kind).or_default() += 1;
+    }
+
+    /// The acceptor reads one more message of a connection the proposer already dropped.
+    fn deliver_zombie(&mut self, i: usize) {
+        let (p, a) = (self.zombies[i].0, self.zombies[i].1);
+        let Some(frame) = self.zombies[i].2.pop_front() else {
+            self.zombies.swap_remove(i);
+            return;
+        };
+        let msg = ProposerAcceptorMessage::decode(&frame).expect("proposer frames decode");
+        let msg = match msg {
+            ProposerAcceptorMessage::AppendRequest(r) if self.rng.random_bool(0.6) => {
+                ProposerAcceptorMessage::NoFlushAppendRequest(r)
+            }
+            m => m,
+        };
+        self.log(|| format!("(stale) p{p} -> a{a}: {}", describe_pa(&msg)));
+        let result = self.sk_mut(a).process_msg(&msg);
+        if matches!(msg, ProposerAcceptorMessage::Elected(_)) {
+            let flush = self.sk(a).flush_lsn();
+            self.acc_flush_revealed[a] = self.acc_flush_revealed[a].min(flush);
+        }
+        self.stats.stale_delivered += 1;
+        match result {
+            Ok(_) => {
+                if self.zombies[i].2.is_empty() {
+                    self.zombies.swap_remove(i);
+                }
+            }
+            Err(e) => {
+                self.log(|| format!("(stale) a{a} closes p{p}'s old connection: {e}"));
+                self.on_acceptor_error(a, &e);
+                self.zombies.swap_remove(i);
             }
         }
     }
@@ -360,6 +413,7 @@ impl Cluster {
         for p in 0..N_PROP {
             self.drop_conn(p, a, "power loss");
         }
+        self.zombies.retain(|(_, za, _)| *za != a);
         let sk = self.acceptors[a].take().expect("acceptor present");
         let (ctrl, mut wal) = sk.into_storage();
         let keep = self.rng.random_range(0..=wal.unsynced_write_count());
@@ -869,10 +923,16 @@ impl Cluster {
                 }
             }
         }
-        if queues.is_empty() {
+        let n = queues.len() + self.zombies.len();
+        if n == 0 {
             return;
         }
-        let (p, a, to_acc) = queues[self.rng.random_range(0..queues.len())];
+        let pick = self.rng.random_range(0..n);
+        if pick >= queues.len() {
+            self.deliver_zombie(pick - queues.len());
+            return;
+        }
+        let (p, a, to_acc) = queues[pick];
         if to_acc {
             self.deliver_to_acceptor(p, a);
         } else {
@@ -957,6 +1017,7 @@ fn run_many(default_seeds: u64, default_steps: usize) {
         total.power_losses += s.power_losses;
         total.drops += s.drops;
         total.committed_bytes += s.committed_bytes;
+        total.stale_delivered += s.stale_delivered;
         for (k, v) in s.acceptor_errors {
             *total.acceptor_errors.entry(k).or_default() += v;
         }
