@@ -6,7 +6,8 @@
 //!
 //! Decoding is total and bounded: every read is checked, counts are checked against both a
 //! constant cap and the bytes that remain before anything is allocated, unknown tags and trailing
-//! bytes are errors, and an `AppendRequest`'s WAL is a zero-copy slice of the input frame.
+//! bytes are errors (stricter than neon, which ignores bytes after an append's WAL), and an
+//! `AppendRequest`'s WAL is a zero-copy slice of the input frame.
 //! Semantic rules (terms, generations, continuity) are the consensus core's job
 //! ([`crate::safekeeper`]), except for the structural ones the layout implies: `end_lsn >=
 //! begin_lsn`, a WAL payload of at most [`MAX_SEND_SIZE`], a non-empty member list for a non-zero

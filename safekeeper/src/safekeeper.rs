@@ -324,6 +324,7 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
                 theirs: msg.pg_version,
             });
         }
+        // A stored size of 0 means "unknown" (adopted below); neon always has one stored.
         if server.wal_seg_size != 0 && msg.wal_seg_size != server.wal_seg_size {
             return Err(SafeKeeperError::WalSegSizeMismatch {
                 ours: server.wal_seg_size,

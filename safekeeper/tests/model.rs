@@ -1,8 +1,9 @@
 //! Seeded model test of the consensus core: a deterministic in-memory cluster of 3 acceptors
 //! (the real `SafeKeeper` over the in-memory fakes) and 2 competing proposers (a small but
 //! faithful model of walproposer), with random message interleaving, connection drops, acceptor
-//! power losses (un-synced WAL lost, the acceptor rebuilt from persisted state only) and
-//! proposer crashes. Every message goes through the real codec.
+//! power losses (un-synced WAL lost, the acceptor rebuilt from persisted state only),
+//! proposer crashes, and stale connections (an acceptor still reading messages a proposer sent
+//! on a connection it has already given up on). Every message goes through the real codec.
 //!
 //! After every step the TLA+ invariants of neon's `ProposerAcceptorStatic.tla` are checked:
 //! election safety (one proposer elected per term), log monotonicity (each acceptor's WAL is
@@ -10,7 +11,8 @@
 //! committed bytes), and durability of commits (bytes a proposer saw committed stay present and
 //! identical on a quorum's durable WAL).
 //!
-//! Knobs: `MODEL_SEEDS=n` runs `n` seeds (default 3000) from `MODEL_SEED_START` (default 0);
+//! Knobs: `MODEL_SEEDS=n` runs `n` seeds (default 3000 of 400 steps, and 20 of 3000 steps in
+//! the long variant) from `MODEL_SEED_START` (default 0), `MODEL_STEPS` sets the steps;
 //! `MODEL_SEED=s` replays one seed (test `model_replay_one_seed`) and `MODEL_TRACE=1` prints its
 //! events. A failure prints its seed.
 
@@ -39,6 +41,9 @@ const START: Lsn = Lsn(0x0100_0000);
 const SEG: u32 = 16 << 20;
 const DEFAULT_SEEDS: u64 = 3000;
 const STEPS: usize = 400;
+/// Seeds and steps of the long-schedule variant (deeper histories, bigger logs).
+const LONG_SEEDS: u64 = 20;
+const LONG_STEPS: usize = 3000;
 /// Record layout: `u8 total_len`, `u64 term`, `u8 proposer`, `u64 seq`, filler.
 const RECORD_HEADER: usize = 18;
 
@@ -142,6 +147,7 @@ struct Stats {
     power_losses: u64,
     drops: u64,
     committed_bytes: u64,
+    stale_delivered: u64,
     acceptor_errors: BTreeMap<String, u64>,
 }
 
@@ -152,6 +158,10 @@ struct Cluster {
     proposers: Vec<Proposer>,
     /// `conns[p][a]`.
     conns: Vec<Vec<Conn>>,
+    /// Queues of dropped connections that the acceptor may still read: the proposer gave up on
+    /// the socket, but bytes it had sent sit in the acceptor's receive buffer. `(p, a, queue)`;
+    /// replies go nowhere.
+    zombies: Vec<(usize, usize, VecDeque<Bytes>)>,
     /// term → (proposer, incarnation) elected in it.
     elected: BTreeMap<Term, (usize, u64)>,
     /// The longest committed prefix any proposer observed: bytes `[START, START + len)`.
@@ -204,6 +214,7 @@ impl Cluster {
             conns: (0..N_PROP)
                 .map(|_| (0..N_ACC).map(|_| Conn::default()).collect())
                 .collect(),
+            zombies: Vec::new(),
             elected: BTreeMap::new(),
             committed: Vec::new(),
             commit_by_term: BTreeMap::new(),
@@ -249,7 +260,13 @@ impl Cluster {
             return;
         }
         let dirty = conn.dirty;
+        let in_flight = std::mem::take(&mut conn.to_acc);
         *conn = Conn::default();
+        let acceptor_closed =
+            why == "power loss" || why.starts_with("acceptor") || why.starts_with("flush");
+        if !acceptor_closed && !in_flight.is_empty() && self.rng.random_bool(0.3) {
+            self.zombies.push((p, a, in_flight));
+        }
         self.proposers[p].views[a] = AccView::default();
         self.stats.drops += 1;
         self.log(|| format!("drop p{p}-a{a}: {why}"));
@@ -307,21 +324,61 @@ impl Cluster {
             }
             Ok(None) => {}
             Err(e) => {
-                match &e {
-                    SafeKeeperError::TruncateBelowCommit { .. }
-                    | SafeKeeperError::TermHistory(_)
-                    | SafeKeeperError::WalBelowCommit { .. } => {
-                        panic!("acceptor a{a} hit a safety error: {e}")
-                    }
-                    _ => {}
-                }
-                let kind = format!("{e:?}")
-                    .split([' ', '(', '{'])
-                    .next()
-                    .unwrap_or("")
-                    .to_string();
-                *self.stats.acceptor_errors.entry(kind).or_default() += 1;
+                self.on_acceptor_error(a, &e);
                 self.drop_conn(p, a, &format!("acceptor error: {e}"));
+            }
+        }
+    }
+
+    /// Safety errors fail the test; others close the connection (counted by kind).
+    fn on_acceptor_error(&mut self, a: usize, e: &SafeKeeperError) {
+        match e {
+            SafeKeeperError::TruncateBelowCommit { .. }
+            | SafeKeeperError::TermHistory(_)
+            | SafeKeeperError::WalBelowCommit { .. } => {
+                panic!("acceptor a{a} hit a safety error: {e}")
+            }
+            _ => {}
+        }
+        let kind = format!("{e:?}")
+            .split([' ', '(', '{'])
+            .next()
+            .unwrap_or("")
+            .to_string();
+        *self.stats.acceptor_errors.entry(kind).or_default() += 1;
+    }
+
+    /// The acceptor reads one more message of a connection the proposer already dropped.
+    fn deliver_zombie(&mut self, i: usize) {
+        let (p, a) = (self.zombies[i].0, self.zombies[i].1);
+        let Some(frame) = self.zombies[i].2.pop_front() else {
+            self.zombies.swap_remove(i);
+            return;
+        };
+        let msg = ProposerAcceptorMessage::decode(&frame).expect("proposer frames decode");
+        let msg = match msg {
+            ProposerAcceptorMessage::AppendRequest(r) if self.rng.random_bool(0.6) => {
+                ProposerAcceptorMessage::NoFlushAppendRequest(r)
+            }
+            m => m,
+        };
+        self.log(|| format!("(stale) p{p} -> a{a}: {}", describe_pa(&msg)));
+        let result = self.sk_mut(a).process_msg(&msg);
+        if matches!(msg, ProposerAcceptorMessage::Elected(_)) {
+            let flush = self.sk(a).flush_lsn();
+            self.acc_flush_revealed[a] = self.acc_flush_revealed[a].min(flush);
+        }
+        self.stats.stale_delivered += 1;
+        match result {
+            Ok(_) => {
+                if self.zombies[i].2.is_empty() {
+                    self.zombies.swap_remove(i);
+                }
+            }
+            Err(e) => {
+                self.log(|| format!("(stale) a{a} closes p{p}'s old connection: {e}"));
+                self.on_acceptor_error(a, &e);
+                self.zombies.swap_remove(i);
             }
         }
     }
@@ -356,6 +413,7 @@ impl Cluster {
         for p in 0..N_PROP {
             self.drop_conn(p, a, "power loss");
         }
+        self.zombies.retain(|(_, za, _)| *za != a);
         let sk = self.acceptors[a].take().expect("acceptor present");
         let (ctrl, mut wal) = sk.into_storage();
         let keep = self.rng.random_range(0..=wal.unsynced_write_count());
@@ -865,10 +923,16 @@ impl Cluster {
                 }
             }
         }
-        if queues.is_empty() {
+        let n = queues.len() + self.zombies.len();
+        if n == 0 {
             return;
         }
-        let (p, a, to_acc) = queues[self.rng.random_range(0..queues.len())];
+        let pick = self.rng.random_range(0..n);
+        if pick >= queues.len() {
+            self.deliver_zombie(pick - queues.len());
+            return;
+        }
+        let (p, a, to_acc) = queues[pick];
         if to_acc {
             self.deliver_to_acceptor(p, a);
         } else {
@@ -899,10 +963,10 @@ fn describe_pa(msg: &ProposerAcceptorMessage) -> String {
 }
 
 /// Runs one seed; returns its stats. Panics (with the seed) on an invariant violation.
-fn run_seed(seed: u64, trace: bool) -> Stats {
+fn run_seed(seed: u64, steps: usize, trace: bool) -> Stats {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut c = Cluster::new(seed, trace);
-        for _ in 0..STEPS {
+        for _ in 0..steps {
             c.step();
             c.check();
         }
@@ -913,8 +977,9 @@ fn run_seed(seed: u64, trace: bool) -> Stats {
         Ok(stats) => stats,
         Err(e) => {
             eprintln!(
-                "model test failed for seed {seed}; replay with MODEL_SEED={seed} MODEL_TRACE=1 \
-                 cargo test -p safekeeper --test model model_replay_one_seed -- --nocapture"
+                "model test failed for seed {seed} ({steps} steps); replay with MODEL_SEED={seed} \
+                 MODEL_STEPS={steps} MODEL_TRACE=1 cargo test -p safekeeper --test model \
+                 model_replay_one_seed -- --nocapture"
             );
             std::panic::resume_unwind(e)
         }
@@ -927,12 +992,23 @@ fn env_u64(name: &str) -> Option<u64> {
 
 #[test]
 fn model_random_schedules_keep_consensus_invariants() {
-    let seeds = env_u64("MODEL_SEEDS").unwrap_or(DEFAULT_SEEDS);
+    run_many(DEFAULT_SEEDS, STEPS);
+}
+
+/// Fewer, much longer schedules: many elections and power losses within one history.
+#[test]
+fn model_long_schedules_keep_consensus_invariants() {
+    run_many(LONG_SEEDS, LONG_STEPS);
+}
+
+fn run_many(default_seeds: u64, default_steps: usize) {
+    let seeds = env_u64("MODEL_SEEDS").unwrap_or(default_seeds);
     let first = env_u64("MODEL_SEED_START").unwrap_or(0);
+    let steps = env_u64("MODEL_STEPS").map_or(default_steps, |s| s as usize);
     let mut total = Stats::default();
     let mut seeds_with_commits = 0;
     for seed in first..first + seeds {
-        let s = run_seed(seed, false);
+        let s = run_seed(seed, steps, false);
         if s.commits_observed > 0 {
             seeds_with_commits += 1;
         }
@@ -941,12 +1017,13 @@ fn model_random_schedules_keep_consensus_invariants() {
         total.power_losses += s.power_losses;
         total.drops += s.drops;
         total.committed_bytes += s.committed_bytes;
+        total.stale_delivered += s.stale_delivered;
         for (k, v) in s.acceptor_errors {
             *total.acceptor_errors.entry(k).or_default() += v;
         }
     }
     eprintln!(
-        "model: {seeds} seeds x {STEPS} steps, {seeds_with_commits} seeds committed: {total:?}"
+        "model: {seeds} seeds x {steps} steps, {seeds_with_commits} seeds committed: {total:?}"
     );
     // The schedule must exercise the protocol, not idle: most seeds elect and commit.
     assert!(
@@ -963,6 +1040,7 @@ fn model_replay_one_seed() {
         return;
     };
     let trace = std::env::var("MODEL_TRACE").is_ok_and(|v| v != "0");
-    let stats = run_seed(seed, trace);
+    let steps = env_u64("MODEL_STEPS").map_or(STEPS, |s| s as usize);
+    let stats = run_seed(seed, steps, trace);
     eprintln!("seed {seed}: {stats:?}");
 }

@@ -152,6 +152,39 @@ fn append_request_matches_fixture_and_borrows_the_frame() {
 }
 
 #[test]
+fn acceptor_greeting_matches_fixture() {
+    let bytes: &[u8] = &[
+        b'g', //
+        0, 0, 0, 0, 0, 0, 0, 2, // node_id
+        0, 0, 0, 5, // generation
+        0, 0, 0, 1, // n_members
+        0, 0, 0, 0, 0, 0, 0, 2, b's', b'k', b'2', 0, 0x15, 0x4e, // (2, "sk2", 5454)
+        0, 0, 0, 1, // n_new_members (joint configuration)
+        0, 0, 0, 0, 0, 0, 0, 3, b's', b'k', b'3', 0, 0x15, 0x4f, // (3, "sk3", 5455)
+        0, 0, 0, 0, 0, 0, 0, 9, // term
+    ];
+    let member = |id: u64, port: u16| SafekeeperId {
+        id: NodeId(id),
+        host: format!("sk{id}"),
+        pg_port: port,
+    };
+    let msg = AcceptorProposerMessage::Greeting(AcceptorGreeting {
+        node_id: NodeId(2),
+        mconf: Configuration {
+            generation: Generation(5),
+            members: vec![member(2, 5454)],
+            new_members: Some(vec![member(3, 5455)]),
+        },
+        term: Term(9),
+    });
+    assert_eq!(&encode_ap(&msg)[..], bytes);
+    assert_eq!(
+        AcceptorProposerMessage::decode(&Bytes::from_static(bytes)),
+        Ok(msg)
+    );
+}
+
+#[test]
 fn vote_response_matches_fixture() {
     let bytes: &[u8] = &[
         b'v', //

@@ -59,7 +59,7 @@ impl ControlStore for MemControlStore {
 }
 
 /// WAL held in memory, with an explicit durable/un-synced split.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct MemWalStore {
     /// LSN of `buf[0]`. Bytes below it are not held.
     base: Lsn,
@@ -82,8 +82,13 @@ impl MemWalStore {
     /// An empty store (no WAL yet).
     pub fn new() -> MemWalStore {
         MemWalStore {
+            base: Lsn::INVALID,
+            buf: Vec::new(),
+            durable_end: Lsn::INVALID,
+            unsynced_writes: Vec::new(),
             pending_truncation: true,
-            ..MemWalStore::default()
+            initialized_at: None,
+            sync_count: 0,
         }
     }
 
@@ -144,6 +149,13 @@ impl MemWalStore {
     /// Number of `flush_wal` calls that synced something.
     pub fn sync_count(&self) -> u64 {
         self.sync_count
+    }
+}
+
+impl Default for MemWalStore {
+    /// Same as [`MemWalStore::new`]: empty, waiting for its first truncation.
+    fn default() -> MemWalStore {
+        MemWalStore::new()
     }
 }
 
