@@ -211,3 +211,134 @@ async fn garbage_copy_data_gets_a_protocol_error() {
     assert!(rows.is_empty(), "no timeline exists yet: {rows:?}");
     d.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_reader_gets_keepalives_and_prompt_replies() {
+    use safekeeper::pq::client::CopyEvent;
+    use safekeeper::pq::codec::BackendMessage;
+    use safekeeper::pq::replication::{ReplicationMessage, StandbyMessage};
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let mut p = Proposer::connect(&d).await;
+    p.elect(Term(1), TermHistory::empty(), START).await;
+    let wal = generate(200 << 10, 300);
+    let end = Lsn(START.0 + wal.len() as u64);
+    let half = wal.len() / 2;
+    p.writer
+        .queue(&p.append(START, &wal[..half], Lsn::INVALID))
+        .unwrap();
+    p.writer
+        .send(&p.append(Lsn(START.0 + half as u64), &wal[half..], Lsn::INVALID))
+        .await
+        .unwrap();
+    while let AcceptorProposerMessage::AppendResponse(r) = p.reader.recv().await.unwrap() {
+        if r.flush_lsn == end {
+            break;
+        }
+    }
+    // Commit it, so readers may see it.
+    p.writer
+        .send(&append_msg(Term(1), end, &[], end))
+        .await
+        .unwrap();
+
+    let mut cfg = ClientConfig::new("127.0.0.1", d.pg.port(), "test");
+    cfg.options = Some(format!(
+        "-c tenant_id={} timeline_id={}",
+        ttid().tenant_id,
+        ttid().timeline_id
+    ));
+    let conn = ClientConn::connect(&cfg).await.unwrap();
+    let (mut r, mut w) = conn
+        .start_copy_both(&format!("START_REPLICATION PHYSICAL {START} TIMELINE 1"))
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while (got.len() as u64) < end.0 - START.0 {
+        let CopyEvent::Data(d) = r.read().await.unwrap() else {
+            panic!("stream ended")
+        };
+        match ReplicationMessage::decode(d).unwrap() {
+            ReplicationMessage::XLogData {
+                wal_start, data, ..
+            } => {
+                assert_eq!(wal_start.0, START.0 + got.len() as u64);
+                assert!(data.len() <= 128 * 1024);
+                got.extend_from_slice(&data);
+            }
+            ReplicationMessage::Keepalive { .. } => {}
+        }
+    }
+    assert!(got == wal, "streamed WAL differs from what was pushed");
+
+    // Idle: keepalives that ask for a reply arrive about every second.
+    let idle_from = Instant::now();
+    let mut keepalives = 0;
+    while idle_from.elapsed() < Duration::from_millis(2600) {
+        let ev = tokio::time::timeout(Duration::from_secs(3), r.read())
+            .await
+            .expect("no message for 3 s on an idle stream")
+            .unwrap();
+        let CopyEvent::Data(d) = ev else {
+            panic!("stream ended")
+        };
+        if let ReplicationMessage::Keepalive {
+            wal_end,
+            reply_requested,
+            ..
+        } = ReplicationMessage::decode(d).unwrap()
+        {
+            assert_eq!(wal_end, end);
+            assert!(reply_requested);
+            keepalives += 1;
+        }
+    }
+    assert!(
+        keepalives >= 2,
+        "{keepalives} keepalives in 2.6 s of idleness"
+    );
+
+    // A status update that asks for a reply is answered at once.
+    w.write_standby_message(&StandbyMessage::StatusUpdate {
+        write: end,
+        flush: end,
+        apply: end,
+        send_time: 0,
+        reply_requested: true,
+    });
+    w.flush().await.unwrap();
+    let asked = Instant::now();
+    loop {
+        let CopyEvent::Data(d) = r.read().await.unwrap() else {
+            panic!("stream ended")
+        };
+        if let ReplicationMessage::Keepalive {
+            reply_requested: false,
+            ..
+        } = ReplicationMessage::decode(d).unwrap()
+        {
+            break;
+        }
+    }
+    assert!(
+        asked.elapsed() < Duration::from_millis(900),
+        "reply took {:?}",
+        asked.elapsed()
+    );
+
+    // CopyDone ends streaming and the connection returns to query mode.
+    w.send_copy_done().await.unwrap();
+    while let CopyEvent::Data(_) = r.read().await.unwrap() {}
+    loop {
+        if let BackendMessage::ReadyForQuery(_) = r.read_message().await.unwrap() {
+            break;
+        }
+    }
+    let mut conn = r.unsplit(w);
+    let rows = conn.simple_query("IDENTIFY_SYSTEM").await.unwrap();
+    assert_eq!(rows[0][0].as_deref(), Some(SYSID.to_string().as_str()));
+    assert_eq!(rows[0][2].as_deref(), Some(end.to_string().as_str()));
+    d.stop().await.unwrap();
+}
