@@ -37,6 +37,8 @@ pub const TMP_SEGMENT_NAME: &str = "waltmp";
 pub const PARTIAL_SUFFIX: &str = ".partial";
 /// Bytes read per call while recovering.
 const RECOVERY_READ_CHUNK: usize = 128 << 10;
+/// Largest single [`WalReader::read`]: a bound on what a caller can make us allocate.
+pub const MAX_READ_LEN: u64 = 64 << 20;
 
 /// Options of a [`WalFileStore`].
 #[derive(Clone, Debug, Default)]
@@ -247,11 +249,18 @@ impl WalReader {
 
     /// Appends the WAL bytes `[from, to)` to `out`, crossing segments as needed (each segment
     /// is read from `.partial` first, then its plain name). A missing segment or a short file is
-    /// an error. The caller bounds `to - from` (walsenders read at most 128 KiB at a time).
+    /// an error, and so is a range over [`MAX_READ_LEN`] (walsenders read 128 KiB at a time).
+    /// Segments are preallocated: bytes past the writer's end read as zeros, so callers read
+    /// only below the flush LSN they serve.
     pub fn read(&self, from: Lsn, to: Lsn, out: &mut Vec<u8>) -> Result<()> {
         let len = to
             .checked_sub(from)
             .ok_or_else(|| Error::Rejected(format!("read of [{from}, {to}) is reversed")))?;
+        if len > MAX_READ_LEN {
+            return Err(Error::Rejected(format!(
+                "read of [{from}, {to}) exceeds {MAX_READ_LEN} bytes"
+            )));
+        }
         let at = out.len();
         out.resize(at + len as usize, 0);
         let res = self.read_into(from, &mut out[at..]);
