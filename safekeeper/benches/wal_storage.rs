@@ -5,10 +5,14 @@
 //! - `crc32c/size=N`: CRC-32C throughput (hardware-accelerated `crc32c` crate).
 //! - `generate/msg=N`: logical-message WAL generation (1 MiB of WAL per iteration).
 //! - `decode/msg=N`: the streaming decoder over 1 MiB of generated WAL.
+//! - `write/store_no_sync/size=N`: `WalFileStore::write_wal` without fsync (decode + `pwrite`
+//!   into page cache, segment creation included): the CPU cost of an append.
 //! - `write_flush/raw_sparse/size=N`: `pwrite` + `fdatasync` into a file preallocated with
 //!   `set_len` (sparse, as our segments are created).
 //! - `write_flush/raw_zeroed/size=N`: the same into a file first written with zeros, which is
 //!   how `pg_test_fsync` prepares its file.
+//! - `write_flush/raw_rewrite/size=N`: rewriting the first block of a zeroed file each time, as
+//!   `pg_test_fsync`'s fdatasync test does.
 //! - `write_flush/store/seg=S/{sparse,zeroed}/size=N`: `WalFileStore::write_wal` + `flush_wal`
 //!   (decode, write, fdatasync) per append; with a 1 GiB segment it stays in one preallocated
 //!   segment, with 16 MiB segments creation and completion are included.
@@ -92,7 +96,14 @@ fn write_flush(c: &mut Criterion) {
     // Raw baselines: pwrite + fdatasync into a preallocated file, either sparse (set_len, as
     // our segments are made; the first write to each block allocates it) or written with zeros
     // first (as pg_test_fsync prepares its file).
-    for (kind, file_len) in [("raw_sparse", 1u64 << 30), ("raw_zeroed", 64u64 << 20)] {
+    // `raw_rewrite` rewrites the first block of a zeroed file each time, exactly what
+    // pg_test_fsync's "one 8kB write" fdatasync line measures. The sparse file is large enough
+    // that a run never wraps around into already allocated blocks.
+    for (kind, file_len) in [
+        ("raw_sparse", 64u64 << 30),
+        ("raw_zeroed", 64u64 << 20),
+        ("raw_rewrite", 64u64 << 20),
+    ] {
         for size in [8 * KIB, 128 * KIB] {
             let dir = tempfile::tempdir_in(bench_dir()).unwrap();
             let path = dir.path().join("prealloc");
@@ -117,7 +128,7 @@ fn write_flush(c: &mut Criterion) {
             g.throughput(Throughput::Bytes(size as u64));
             g.bench_function(BenchmarkId::new(format!("{kind}/size"), size), |b| {
                 b.iter(|| {
-                    if off + size as u64 > file_len {
+                    if off + size as u64 > file_len || kind == "raw_rewrite" {
                         off = 0;
                     }
                     f.write_all_at(&data, off).unwrap();
@@ -178,5 +189,54 @@ fn write_flush(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, crc, generate, decode, write_flush);
+/// The CPU side of an append: decode + `pwrite` to the page cache, no fsync (`no_sync`).
+fn write_no_sync(c: &mut Criterion) {
+    let mut g = c.benchmark_group("write");
+    for size in [8 * KIB, 128 * KIB] {
+        let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+        let seg_size = 16u64 << 20;
+        let start = Lsn(seg_size);
+        let opts = WalFileOptions {
+            no_sync: true,
+            ..Default::default()
+        };
+        let mut store = WalFileStore::open(dir.path(), seg_size, Lsn::INVALID, opts).unwrap();
+        store.initialize_first_segment(start).unwrap();
+        store.truncate_wal(start).unwrap();
+        let mut generator = WalGenerator::new(1, seg_size, start).unwrap();
+        let message = vec![0x5Au8; 1000];
+        let mut pending: Vec<u8> = Vec::with_capacity(4 * MIB);
+        let mut consumed = 0usize;
+        g.throughput(Throughput::Bytes(size as u64));
+        g.bench_function(BenchmarkId::new("store_no_sync/size", size), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    if pending.len() - consumed < size {
+                        pending.drain(..consumed);
+                        consumed = 0;
+                        generator.fill(&mut pending, 2 * MIB, &message);
+                    }
+                    let lsn = store.write_lsn();
+                    let t = Instant::now();
+                    store
+                        .write_wal(lsn, &pending[consumed..consumed + size])
+                        .unwrap();
+                    total += t.elapsed();
+                    consumed += size;
+                    // Stay within a few segments: segment creation is part of the cost, disk
+                    // space is not.
+                    let cur = store.write_lsn().segment_number(seg_size);
+                    if cur > 2 {
+                        store.remove_segments_up_to(cur - 2).unwrap();
+                    }
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, crc, generate, decode, write_no_sync, write_flush);
 criterion_main!(benches);

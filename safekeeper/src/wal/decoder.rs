@@ -212,6 +212,7 @@ impl WalStreamDecoder {
         if self.state == State::RecordHeader {
             if self.rec_hdr_got == 0 {
                 self.rec_start = self.lsn;
+                self.tot_len = 0;
             }
             let n = room
                 .min(buf.len())

@@ -42,6 +42,8 @@ pub struct RecordPos {
     pub chunk_start: Lsn,
     /// LSN of the record's `XLogRecord` header (what `pg_waldump` prints as `lsn:`).
     pub start: Lsn,
+    /// End of the record's last byte, before alignment padding.
+    pub data_end: Lsn,
     /// End of the record, 8-byte aligned (PostgreSQL's insert position after it).
     pub end: Lsn,
     /// `xl_tot_len`.
@@ -189,6 +191,7 @@ impl WalGenerator {
         self.scratch = scratch;
         // Pad to the next 8-byte boundary; page boundaries are 8-aligned, so this never
         // crosses a page.
+        let data_end = self.lsn;
         let end = self.lsn.align8().expect("LSN space exhausted");
         out.resize(out.len() + (end.0 - self.lsn.0) as usize, 0);
         self.lsn = end;
@@ -196,6 +199,7 @@ impl WalGenerator {
         RecordPos {
             chunk_start,
             start,
+            data_end,
             end,
             tot_len,
         }

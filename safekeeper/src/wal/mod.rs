@@ -1,4 +1,4 @@
-//! PostgreSQL 15 WAL format: page and record layouts with CRC-32C ([`format`]), a generator of
+//! PostgreSQL 15 WAL format: page and record layouts with CRC-32C ([`format`](mod@format)), a generator of
 //! valid logical-message WAL for tests and benches ([`generator`]), and a streaming decoder that
 //! finds record boundaries and the end of valid WAL ([`decoder`]).
 //!
