@@ -23,11 +23,17 @@ fn generate(bytes: usize, msg_len: usize) -> Vec<u8> {
 
 /// Splits WAL into append-sized pieces at uneven offsets (records span appends).
 fn pieces(wal: &[u8]) -> Vec<(Lsn, &[u8])> {
-    let sizes = [8192usize, 131072, 777, 65536, 1, 100_000];
+    let sizes = [1024usize, 777, 1, 8192, 2000, 513];
     let mut out = Vec::new();
     let (mut off, mut i) = (0usize, 0usize);
     while off < wal.len() {
-        let n = sizes[i % sizes.len()].min(wal.len() - off);
+        // Mostly small appends, and now and then one of the protocol's maximum size.
+        let size = if i % 50 == 49 {
+            131_072
+        } else {
+            sizes[i % sizes.len()]
+        };
+        let n = size.min(wal.len() - off);
         out.push((Lsn(START.0 + off as u64), &wal[off..off + n]));
         off += n;
         i += 1;
@@ -42,10 +48,11 @@ async fn pipelined_appends_are_acked_monotonically_and_stored_byte_exact() {
     let mut p = Proposer::connect(&d).await;
     p.elect(Term(1), TermHistory::empty(), START).await;
 
-    let wal = generate(6 << 20, 200);
+    let wal = generate(8 << 20, 200);
     let end = Lsn(START.0 + wal.len() as u64);
     let appends = pieces(&wal);
     let n = appends.len();
+    assert!(n > 1000, "only {n} appends");
     // Send everything without waiting (the proposer's pipelining), reading acks concurrently.
     let msgs: Vec<_> = appends
         .iter()
@@ -341,4 +348,68 @@ async fn idle_reader_gets_keepalives_and_prompt_replies() {
     assert_eq!(rows[0][0].as_deref(), Some(SYSID.to_string().as_str()));
     assert_eq!(rows[0][2].as_deref(), Some(end.to_string().as_str()));
     d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_startup_packets_are_refused_and_the_daemon_keeps_serving() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let cases: [&[u8]; 4] = [
+        b"\x00\x00\x00\x08\x00\x02\x00\x00",  // protocol 2.0
+        b"\x7f\xff\xff\xff\x00\x03\x00\x00",  // absurd length
+        b"\x00\x00\x00\x02",                  // length below the minimum
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", // not PostgreSQL at all
+    ];
+    for bytes in cases {
+        let mut s = tokio::net::TcpStream::connect(d.pg).await.unwrap();
+        s.write_all(bytes).await.unwrap();
+        let mut reply = Vec::new();
+        // The server answers (an ErrorResponse) or not, and closes the connection either way.
+        tokio::time::timeout(std::time::Duration::from_secs(5), s.read_to_end(&mut reply))
+            .await
+            .expect("the server must close a malformed connection")
+            .ok();
+        if let Some(&tag) = reply.first() {
+            assert_eq!(tag, b'E', "unexpected reply {reply:?}");
+        }
+    }
+    // Honest clients keep working.
+    let mut p = Proposer::connect(&d).await;
+    p.elect(Term(1), TermHistory::empty(), START).await;
+    d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_token_file_requires_the_shared_secret() {
+    use safekeeper::config::Conf;
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").unwrap();
+    let mut conf = Conf::for_tests(dir.path().join("data"));
+    conf.pg_auth_token_file = Some(token);
+    let listeners = safekeeper::daemon::bind(&conf).await.unwrap();
+    let port = listeners.pg_addr().port();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(safekeeper::daemon::run(conf, listeners, async move {
+        let _ = rx.await;
+    }));
+    let mut cfg = ClientConfig::new("127.0.0.1", port, "test");
+    // Without a password the server asks for one.
+    match ClientConn::connect(&cfg).await {
+        Err(PqError::UnsupportedAuth(m)) => assert!(m.contains("asks for a password"), "{m}"),
+        Err(e) => panic!("expected a password request, got {e:?}"),
+        Ok(_) => panic!("connected without the secret"),
+    }
+    cfg.password = Some("wrong".into());
+    match ClientConn::connect(&cfg).await {
+        Err(PqError::Rejected(e)) | Err(PqError::Server(e)) => assert_eq!(e.code, "28P01", "{e:?}"),
+        Err(e) => panic!("expected an authentication error, got {e:?}"),
+        Ok(_) => panic!("connected with a wrong secret"),
+    }
+    cfg.password = Some("s3cret".into());
+    let mut c = ClientConn::connect(&cfg).await.unwrap();
+    assert!(c.simple_query("TIMELINE_STATUS").await.unwrap().is_empty());
+    tx.send(()).unwrap();
+    task.await.unwrap().unwrap();
 }
