@@ -185,12 +185,7 @@ async fn append_with_gap_ends_only_that_connection() {
 async fn garbage_copy_data_gets_a_protocol_error() {
     let dir = tempfile::tempdir().unwrap();
     let d = TestDaemon::start(dir.path()).await;
-    let mut cfg = ClientConfig::new("127.0.0.1", d.pg.port(), "test");
-    cfg.options = Some(format!(
-        "-c tenant_id={} timeline_id={}",
-        ttid().tenant_id,
-        ttid().timeline_id
-    ));
+    let cfg = client_config(&d);
     let conn = ClientConn::connect(&cfg).await.unwrap();
     let (mut r, mut w) = conn
         .start_copy_both("START_WAL_PUSH (proto_version '3')")
@@ -251,12 +246,7 @@ async fn idle_reader_gets_keepalives_and_prompt_replies() {
         .await
         .unwrap();
 
-    let mut cfg = ClientConfig::new("127.0.0.1", d.pg.port(), "test");
-    cfg.options = Some(format!(
-        "-c tenant_id={} timeline_id={}",
-        ttid().tenant_id,
-        ttid().timeline_id
-    ));
+    let cfg = client_config(&d);
     let conn = ClientConn::connect(&cfg).await.unwrap();
     let (mut r, mut w) = conn
         .start_copy_both(&format!("START_REPLICATION PHYSICAL {START} TIMELINE 1"))

@@ -407,29 +407,24 @@ impl Proposer {
 
     /// Waits until `lsn` is committed on a quorum. Cancellation-safe.
     pub async fn wait_commit(&self, lsn: Lsn) -> Result<Lsn, ProposerError> {
-        let mut rx = self.subscribe();
-        loop {
-            let p = *rx.borrow_and_update();
-            if let Some(seen) = p.stepped_down {
-                return Err(ProposerError::SteppedDown {
-                    ours: self.shared.term,
-                    seen,
-                });
-            }
-            if p.commit_lsn >= lsn {
-                return Ok(p.commit_lsn);
-            }
-            if rx.changed().await.is_err() {
-                return Err(ProposerError::Recovery("proposer stopped".into()));
-            }
-        }
+        self.wait_for(|p| p.commit_lsn >= lsn)
+            .await
+            .map(|p| p.commit_lsn)
     }
 
     /// Sync mode: waits until the term start is committed and a quorum of safekeepers persisted
     /// a commit LSN at or above it. Returns the LSN (the end of WAL after the election).
     pub async fn sync(&self) -> Result<Lsn, ProposerError> {
         let start = self.shared.term_start;
-        self.wait_commit(start).await?;
+        let quorum = self.shared.cfg.quorum();
+        self.wait_for(|p| p.commit_lsn >= start && p.synced >= quorum)
+            .await?;
+        Ok(start)
+    }
+
+    /// Waits until the progress satisfies `done`, or the proposer stepped down or stopped.
+    /// Cancellation-safe.
+    async fn wait_for(&self, done: impl Fn(&Progress) -> bool) -> Result<Progress, ProposerError> {
         let mut rx = self.subscribe();
         loop {
             let p = *rx.borrow_and_update();
@@ -439,8 +434,8 @@ impl Proposer {
                     seen,
                 });
             }
-            if p.synced >= self.shared.cfg.quorum() {
-                return Ok(start);
+            if done(&p) {
+                return Ok(p);
             }
             if rx.changed().await.is_err() {
                 return Err(ProposerError::Recovery("proposer stopped".into()));

@@ -74,6 +74,17 @@ impl TestDaemon {
     }
 }
 
+/// A replication client configuration for the test timeline on `d`.
+pub fn client_config(d: &TestDaemon) -> safekeeper::pq::client::ClientConfig {
+    let mut cfg = safekeeper::pq::client::ClientConfig::new("127.0.0.1", d.pg.port(), "test");
+    cfg.options = Some(format!(
+        "-c tenant_id={} timeline_id={}",
+        ttid().tenant_id,
+        ttid().timeline_id
+    ));
+    cfg
+}
+
 /// A tiny HTTP/1.0 GET (enough for our JSON API).
 pub async fn http_get_json(addr: SocketAddr, path: &str) -> serde_json::Value {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
