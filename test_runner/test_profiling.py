@@ -245,19 +245,27 @@ def test_frequency_above_kernel_tick_is_clamped_and_said(safekeeper):
 
 
 def test_repeated_cpu_profiles_do_not_ratchet_memory(safekeeper):
+    """Each CPU profile re-allocates pprof-rs's sample table; jemalloc's background thread must
+    hand the freed pages back (after its decay time), so RSS after ten profiles comes back to
+    within 64 MiB of its level after the first."""
+
+    def profile_ok():
+        r = requests.get(f"{safekeeper.http}/profile/cpu?seconds=1", timeout=30)
+        return r.status_code == 200
+
     with http_load(safekeeper, threads=1):
-
-        def fetch_ok():
-            return requests.get(f"{safekeeper.http}/profile/cpu?seconds=1", timeout=30)
-
-        assert fetch_ok().status_code == 200
+        assert profile_ok()
         time.sleep(1)
         after_first = safekeeper.rss_bytes()
         for _ in range(9):
-            assert fetch_ok().status_code == 200
-        time.sleep(1)
-        after_tenth = safekeeper.rss_bytes()
-    growth = after_tenth - after_first
+            assert profile_ok()
+    # Freed memory is returned gradually (jemalloc's dirty/muzzy decay, 10 s by default).
+    deadline = time.monotonic() + 30
+    while True:
+        growth = safekeeper.rss_bytes() - after_first
+        if growth < 64 * 2**20 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert growth < 64 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over 9 more profiles"
 
 
