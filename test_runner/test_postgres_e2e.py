@@ -116,7 +116,8 @@ def same_results(primary: PgCluster, standby: PgCluster) -> None:
 def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
     safekeeper_factory, pg_factory, tmp_path
 ):
-    primary = pg_factory("primary").init().start()
+    # A short wal_sender_timeout: the relay's status updates must keep its stream alive.
+    primary = pg_factory("primary").init(wal_sender_timeout="'3s'").start()
     system_id = primary.psql("SELECT system_identifier FROM pg_control_system()")
     primary.psql("CREATE TABLE known (id int PRIMARY KEY, v text)")
     primary.psql("INSERT INTO known SELECT g, 'row ' || g FROM generate_series(1, 1000) g")
@@ -214,6 +215,7 @@ def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
         compared = receive_and_compare(primary, sks[1], end, tmp_path / "recv")
         assert segment_name(switched) in compared, compared
 
+        assert "replication timeout" not in primary.log()
         final = json.loads(relay.stop().splitlines()[-1])
         assert lsn_int(final["commit_lsn"]) >= end
         figures["relay_total"] = final
