@@ -207,6 +207,13 @@ def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
         conninfo = standby.psql("SHOW primary_conninfo")
         assert f"port={sks[1].pg_port}" in conninfo
 
+        # The primary restarts: the relay reconnects and resumes where the proposer's WAL ends.
+        primary.restart()
+        primary.psql("INSERT INTO known VALUES (2502, 'after the primary restarted')")
+        standby.wait_replayed(primary.current_lsn())
+        same_results(primary, standby)
+        assert "replication from the primary stopped" in relay.log()
+
         # Complete a segment, then read everything from a safekeeper with pg_receivewal.
         switched = lsn_int(primary.psql("SELECT pg_switch_wal()"))
         primary.psql("INSERT INTO known VALUES (2501, 'next segment')")

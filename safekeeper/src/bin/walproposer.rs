@@ -182,7 +182,7 @@ async fn relay_postgres(args: &Args, cfg: ProposerConfig) -> anyhow::Result<()> 
     let mut opts = SourceOptions::new(conninfo);
     opts.slot = args.source_slot.clone();
     opts.report_interval = Duration::from_secs_f64(args.progress_interval.max(0.1));
-    let primary = Primary::connect(opts)
+    let primary = Primary::connect(opts.clone())
         .await
         .context("connecting to the primary")?;
     let cfg = primary.proposer_config(cfg);
@@ -194,29 +194,41 @@ async fn relay_postgres(args: &Args, cfg: ProposerConfig) -> anyhow::Result<()> 
         println!("{lsn}");
         return Ok(());
     }
-    let shutdown = async {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
         let (Ok(mut int), Ok(mut term)) = (
             signal(SignalKind::interrupt()),
             signal(SignalKind::terminate()),
         ) else {
-            return std::future::pending().await;
+            tracing::error!("cannot install signal handlers");
+            return;
         };
         tokio::select! {
             _ = int.recv() => {}
             _ = term.recv() => {}
         }
-    };
-    let result = primary
-        .relay(&proposer, shutdown, Duration::from_secs(10), |s| {
+        on_signal.cancel();
+    });
+    let result = postgres::relay_until_shutdown(
+        primary,
+        &proposer,
+        &shutdown,
+        Duration::from_secs(10),
+        |s| {
             eprintln!(
                 "relayed {} bytes ({:.2} MB/s), received {}, committed {}",
                 s.bytes, s.mb_per_second, s.received_lsn, s.commit_lsn
             )
-        })
-        .await;
+        },
+    )
+    .await;
     proposer.finish(Duration::from_secs(10)).await;
-    let stats = result.context("relaying")?;
+    let Some(stats) = result.context("relaying")? else {
+        eprintln!("stopped while reconnecting to the primary");
+        return Ok(());
+    };
     eprintln!(
         "relayed {} bytes in {:.1} s ({:.2} MB/s), committed {}",
         stats.bytes, stats.seconds, stats.mb_per_second, stats.commit_lsn

@@ -24,11 +24,12 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
 
 use super::{Proposer, ProposerError};
-use crate::pq::PqError;
-use crate::pq::client::{ClientConfig, ClientConn, CopyEvent};
+use crate::pq::client::{ClientConfig, ClientConn};
 use crate::pq::replication::{ReplicationError, ReplicationMessage, StandbyMessage};
+use crate::pq::{BackendMessage, PqError};
 use crate::types::Lsn;
 use crate::wal::format::is_valid_seg_size;
 
@@ -54,8 +55,27 @@ pub enum SourceError {
     Gap { expected: Lsn, got: Lsn },
     #[error("primary ended the replication stream")]
     StreamEnded,
+    #[error("the primary's system id changed from {was} to {now}")]
+    SystemIdChanged { was: u64, now: u64 },
     #[error(transparent)]
     Proposer(#[from] ProposerError),
+}
+
+impl SourceError {
+    /// Whether reconnecting to the primary may help: the connection broke or could not be
+    /// made, the primary ended the stream, or it is shutting down or starting up (SQLSTATE
+    /// class 57, e.g. `57P01` admin shutdown, `57P03` cannot connect now).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            SourceError::StreamEnded => true,
+            SourceError::Pq(e) => match &**e {
+                PqError::Io(_) | PqError::ConnectionClosed => true,
+                PqError::Server(f) => f.code.starts_with("57"),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
 }
 
 impl From<PqError> for SourceError {
@@ -409,7 +429,9 @@ impl Primary {
         cfg
     }
 
-    /// Streams the primary's WAL into `proposer` from its term start until `shutdown` resolves
+    /// Streams the primary's WAL into `proposer`, from the end of the proposer's WAL (its term
+    /// start on the first call; where the previous stream stopped after a reconnect), until
+    /// `shutdown` resolves
     /// (then waits up to `drain` for the received WAL to commit, reports the final position to
     /// the primary, and returns) or an error. `report` is called every `report_interval`.
     /// Not cancellation-safe as a whole: use `shutdown` to stop it.
@@ -420,7 +442,7 @@ impl Primary {
         drain: Duration,
         mut report: impl FnMut(&RelayStats),
     ) -> Result<RelayStats, SourceError> {
-        let start = proposer.term_start_lsn();
+        let start = proposer.progress().end_lsn;
         let query = format!(
             "START_REPLICATION SLOT {} PHYSICAL {start} TIMELINE 1",
             self.opts.slot
@@ -469,10 +491,26 @@ impl Primary {
             let mut send_status = false;
             tokio::select! {
                 // Cancellation-safe: a partly read message stays in the reader's buffer.
-                ev = rd.read(), if may_read => {
-                    let data = match ev {
-                        Ok(CopyEvent::Data(d)) => d,
-                        Ok(CopyEvent::Done) => break Err(SourceError::StreamEnded),
+                msg = rd.read_message(), if may_read => {
+                    let data = match msg {
+                        Ok(BackendMessage::CopyData(d)) => d,
+                        // A walsender that shuts down ends the copy with CommandComplete (no
+                        // CopyDone first).
+                        Ok(BackendMessage::CopyDone | BackendMessage::CommandComplete(_)) => {
+                            break Err(SourceError::StreamEnded);
+                        }
+                        Ok(BackendMessage::NoticeResponse(_)
+                            | BackendMessage::ParameterStatus { .. }) => continue,
+                        Ok(BackendMessage::ErrorResponse(e)) => {
+                            break Err(PqError::Server(e).into());
+                        }
+                        Ok(other) => {
+                            break Err(PqError::Unexpected {
+                                expected: "CopyData",
+                                got: format!("{other:?}"),
+                            }
+                            .into());
+                        }
                         Err(e) => break Err(e.into()),
                     };
                     match ReplicationMessage::decode(data) {
@@ -544,6 +582,58 @@ impl Primary {
         stats.seconds = started.elapsed().as_secs_f64();
         stats.mb_per_second = stats.bytes as f64 / stats.seconds.max(1e-9) / 1e6;
         result.map(|()| stats)
+    }
+}
+
+/// Relays with [`Primary::relay`] until `shutdown` is cancelled, reconnecting (with backoff)
+/// after transient failures ([`SourceError::is_transient`]: the primary restarted, the
+/// connection broke); each new stream resumes at the end of the proposer's WAL. Returns the
+/// last stream's stats, or `None` if shutdown came while reconnecting.
+pub async fn relay_until_shutdown(
+    first: Primary,
+    proposer: &Proposer,
+    shutdown: &CancellationToken,
+    drain: Duration,
+    mut report: impl FnMut(&RelayStats),
+) -> Result<Option<RelayStats>, SourceError> {
+    let system_id = first.info.system_id;
+    let opts = first.opts.clone();
+    let mut primary = Some(first);
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let p = match primary.take() {
+            Some(p) => p,
+            None => match Primary::connect(opts.clone()).await {
+                Ok(p) if p.info.system_id != system_id => {
+                    return Err(SourceError::SystemIdChanged {
+                        was: system_id,
+                        now: p.info.system_id,
+                    });
+                }
+                Ok(p) => p,
+                Err(e) if e.is_transient() => {
+                    tracing::warn!("reconnecting to the primary: {e}; retrying in {backoff:?}");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = shutdown.cancelled() => return Ok(None),
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        match p
+            .relay(proposer, shutdown.cancelled(), drain, &mut report)
+            .await
+        {
+            Ok(stats) => return Ok(Some(stats)),
+            Err(e) if e.is_transient() && !shutdown.is_cancelled() => {
+                tracing::warn!("replication from the primary stopped: {e}; reconnecting");
+                backoff = Duration::from_millis(200);
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
