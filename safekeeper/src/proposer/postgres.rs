@@ -587,8 +587,9 @@ impl Primary {
 
 /// Relays with [`Primary::relay`] until `shutdown` is cancelled, reconnecting (with backoff)
 /// after transient failures ([`SourceError::is_transient`]: the primary restarted, the
-/// connection broke); each new stream resumes at the end of the proposer's WAL. Returns the
-/// last stream's stats, or `None` if shutdown came while reconnecting.
+/// connection broke); each new stream resumes at the end of the proposer's WAL. Returns stats
+/// over all streams (status updates: the last stream's), or `None` if shutdown came while
+/// reconnecting.
 pub async fn relay_until_shutdown(
     first: Primary,
     proposer: &Proposer,
@@ -598,6 +599,7 @@ pub async fn relay_until_shutdown(
 ) -> Result<Option<RelayStats>, SourceError> {
     let system_id = first.info.system_id;
     let opts = first.opts.clone();
+    let (first_start, started) = (proposer.progress().end_lsn, Instant::now());
     let mut primary = Some(first);
     let mut backoff = Duration::from_millis(200);
     loop {
@@ -627,7 +629,14 @@ pub async fn relay_until_shutdown(
             .relay(proposer, shutdown.cancelled(), drain, &mut report)
             .await
         {
-            Ok(stats) => return Ok(Some(stats)),
+            Ok(mut stats) => {
+                // Over all streams, not only the last one.
+                stats.start_lsn = first_start;
+                stats.bytes = stats.received_lsn.0.saturating_sub(first_start.0);
+                stats.seconds = started.elapsed().as_secs_f64();
+                stats.mb_per_second = stats.bytes as f64 / stats.seconds.max(1e-9) / 1e6;
+                return Ok(Some(stats));
+            }
             Err(e) if e.is_transient() && !shutdown.is_cancelled() => {
                 tracing::warn!("replication from the primary stopped: {e}; reconnecting");
                 backoff = Duration::from_millis(200);
@@ -699,6 +708,28 @@ mod tests {
         assert_eq!(parse_wal_segment_size("3MB"), None);
         assert_eq!(parse_wal_segment_size("16XB"), None);
         assert_eq!(parse_wal_segment_size("99999999999GB"), None);
+    }
+
+    #[test]
+    fn broken_connections_and_shutdowns_are_transient() {
+        let server = |code: &str| {
+            SourceError::from(PqError::Server(crate::pq::ErrorFields::error(code, "x")))
+        };
+        assert!(SourceError::StreamEnded.is_transient());
+        assert!(SourceError::from(PqError::ConnectionClosed).is_transient());
+        assert!(server("57P01").is_transient());
+        assert!(server("57P03").is_transient());
+        assert!(
+            !server("58P01").is_transient(),
+            "WAL segment already removed"
+        );
+        assert!(
+            !SourceError::Gap {
+                expected: Lsn(1),
+                got: Lsn(2)
+            }
+            .is_transient()
+        );
     }
 
     #[test]
