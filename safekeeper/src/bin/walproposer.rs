@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use safekeeper::proposer::conn::SafekeeperAddr;
+use safekeeper::proposer::postgres::{self, ConnInfo, Primary, SourceOptions};
 use safekeeper::proposer::synthetic::{self, SyntheticOptions};
 use safekeeper::proposer::{Proposer, ProposerConfig};
 use safekeeper::types::{Lsn, TenantId, TenantTimelineId, TimelineId};
@@ -16,6 +17,9 @@ profiling::global_allocator!();
 enum Source {
     /// Valid logical-message WAL from the built-in generator.
     Synthetic,
+    /// A real PostgreSQL primary, through a physical replication slot (`--source-conninfo`);
+    /// runs until SIGINT or SIGTERM.
+    Postgres,
 }
 
 /// Elects itself over N safekeepers (neon protocol v3) and streams WAL to them, committing on
@@ -58,6 +62,16 @@ struct Args {
     /// Where WAL comes from.
     #[arg(long, value_enum, default_value = "synthetic")]
     source: Source,
+    /// Postgres: libpq-style `key=value` connection string of the primary (host, port, user,
+    /// password; trust or cleartext password authentication).
+    #[arg(long, default_value = "host=127.0.0.1 port=5432 user=postgres")]
+    source_conninfo: String,
+    /// Postgres: physical replication slot on the primary (created if missing).
+    #[arg(long, default_value = postgres::DEFAULT_SLOT)]
+    source_slot: String,
+    /// Postgres: seconds between progress lines on stderr.
+    #[arg(long, default_value_t = 5.0)]
+    progress_interval: f64,
     /// Synthetic: payload bytes per record.
     #[arg(long, default_value = "1024", value_parser = parse_size)]
     record_size: u64,
@@ -133,6 +147,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         start_lsn: args.start_lsn,
         allow_timeline_creation: true,
     };
+    if matches!(args.source, Source::Postgres) {
+        return relay_postgres(&args, cfg).await;
+    }
     let proposer = Proposer::elect(cfg).await.context("election")?;
     tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
     if args.sync {
@@ -153,6 +170,69 @@ async fn run(args: Args) -> anyhow::Result<()> {
             proposer.finish(Duration::from_secs(10)).await;
             println!("{}", serde_json::to_string(&stats)?);
         }
+        Source::Postgres => unreachable!("handled by relay_postgres"),
     }
+    Ok(())
+}
+
+/// `--source postgres`: identify the primary, elect with its system id, version and segment
+/// size, relay until SIGINT/SIGTERM, then finish gracefully and print the final stats as JSON.
+async fn relay_postgres(args: &Args, cfg: ProposerConfig) -> anyhow::Result<()> {
+    let conninfo: ConnInfo = args.source_conninfo.parse()?;
+    let mut opts = SourceOptions::new(conninfo);
+    opts.slot = args.source_slot.clone();
+    opts.report_interval = Duration::from_secs_f64(args.progress_interval.max(0.1));
+    let primary = Primary::connect(opts.clone())
+        .await
+        .context("connecting to the primary")?;
+    let cfg = primary.proposer_config(cfg);
+    let proposer = Proposer::elect(cfg).await.context("election")?;
+    tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
+    if args.sync {
+        let lsn = proposer.sync().await?;
+        proposer.finish(Duration::from_secs(10)).await;
+        println!("{lsn}");
+        return Ok(());
+    }
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            tracing::error!("cannot install signal handlers");
+            return;
+        };
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+        on_signal.cancel();
+    });
+    let result = postgres::relay_until_shutdown(
+        primary,
+        &proposer,
+        &shutdown,
+        Duration::from_secs(10),
+        |s| {
+            eprintln!(
+                "relayed {} bytes ({:.2} MB/s), received {}, committed {}",
+                s.bytes, s.mb_per_second, s.received_lsn, s.commit_lsn
+            )
+        },
+    )
+    .await;
+    proposer.finish(Duration::from_secs(10)).await;
+    let Some(stats) = result.context("relaying")? else {
+        eprintln!("stopped while reconnecting to the primary");
+        return Ok(());
+    };
+    eprintln!(
+        "relayed {} bytes in {:.1} s ({:.2} MB/s), committed {}",
+        stats.bytes, stats.seconds, stats.mb_per_second, stats.commit_lsn
+    );
+    println!("{}", serde_json::to_string(&stats)?);
     Ok(())
 }

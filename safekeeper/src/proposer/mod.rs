@@ -17,6 +17,7 @@
 
 pub mod conn;
 pub mod fetch;
+pub mod postgres;
 pub mod synthetic;
 
 use std::collections::VecDeque;

@@ -98,6 +98,13 @@ pub struct WalStreamDecoder {
     last_end: u64,
     /// Once set, every further feed returns it.
     error: Option<DecodeError>,
+    /// Where this decoder started. A decoder started at a page start may find that page
+    /// continuing a record begun before it (a stream that starts at a segment boundary, as a
+    /// real primary's WAL relayed from a segment start does): it skips that record's tail, as
+    /// PostgreSQL's `XLogFindNextRecord` does.
+    start: u64,
+    /// The body bytes being consumed are such a tail: no header, no CRC to check.
+    skipping_tail: bool,
 }
 
 impl WalStreamDecoder {
@@ -128,6 +135,8 @@ impl WalStreamDecoder {
             prev_rec: None,
             last_end: start.0,
             error,
+            start: start.0,
+            skipping_tail: false,
         }
     }
 
@@ -336,7 +345,14 @@ impl WalStreamDecoder {
                 ));
             }
         } else if contrecord {
-            return Err(self.err(page, DecodeErrorKind::UnexpectedContrecord));
+            if page != self.start || hdr.rem_len == 0 {
+                return Err(self.err(page, DecodeErrorKind::UnexpectedContrecord));
+            }
+            // The tail of a record that began before our start: consume it as a body (later
+            // pages' continuation lengths are checked), then the first record starts.
+            self.state = State::RecordBody;
+            self.body_remaining = hdr.rem_len;
+            self.skipping_tail = true;
         }
         self.lsn += hdr_size as u64;
         Ok(())
@@ -344,6 +360,15 @@ impl WalStreamDecoder {
 
     /// All body bytes are in: verify the CRC and move on to padding (or the segment skip).
     fn record_complete(&mut self, on_record: &mut impl FnMut(Lsn)) -> Result<(), DecodeError> {
+        if self.skipping_tail {
+            self.skipping_tail = false;
+            let until = (self.lsn + 7) & !7;
+            self.state = State::Padding { until };
+            if self.lsn == until {
+                self.record_done(on_record);
+            }
+            return Ok(());
+        }
         let computed = crc32c::crc32c_append(self.crc, &self.rec_hdr[..XLOG_RECORD_CRC_OFFS]);
         let h = XLogRecordHeader::decode(&self.rec_hdr);
         if computed != h.crc {
@@ -515,6 +540,34 @@ mod tests {
             err.unwrap().kind,
             DecodeErrorKind::BadLongHeader { .. }
         ));
+    }
+
+    #[test]
+    fn start_at_a_page_continuing_an_earlier_record_skips_its_tail() {
+        // Records large enough that one spans from the first segment into the second.
+        let start = Lsn(SEG);
+        let mut g = WalGenerator::new(1, SEG, start).unwrap();
+        let mut bytes = Vec::new();
+        let mut ends = Vec::new();
+        while g.lsn().0 < 2 * SEG + 3 * 8192 {
+            let pos = g.append_logical_message(&mut bytes, &[7; 20_000]);
+            ends.push(pos.end);
+        }
+        let seg2 = SEG as usize;
+        let hdr = PageHeader::decode(&bytes[seg2..]).unwrap();
+        assert!(
+            hdr.info & XLP_FIRST_IS_CONTRECORD != 0,
+            "the test needs a spanning record"
+        );
+        let first_end = *ends.iter().find(|e| e.0 > 2 * SEG).unwrap();
+        let mut seen = Vec::new();
+        let mut dec = WalStreamDecoder::new(Lsn(2 * SEG), SEG);
+        dec.feed_with(&bytes[seg2..], |e| seen.push(e)).unwrap();
+        // The first boundary reported is the end of the record that was in progress (aligned),
+        // then every later record's end.
+        let later: Vec<Lsn> = ends.iter().copied().filter(|e| *e >= first_end).collect();
+        assert_eq!(seen, later);
+        assert_eq!(dec.last_record_end(), *ends.last().unwrap());
     }
 
     #[test]

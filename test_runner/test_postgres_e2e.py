@@ -1,0 +1,287 @@
+"""Real PostgreSQL end to end: a real PG15 primary relayed by `walproposer --source postgres` into
+three safekeepers; a real PG15 hot standby (base backup taken with `-X none`, so every WAL byte it
+replays came from a safekeeper) streams from one safekeeper, then from another after the first
+stops; real `pg_receivewal` from a safekeeper gets segments byte-identical to the primary's."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+from fixtures.daemon import fmt_lsn, lsn_int
+from fixtures.pg import PgCluster, WalProposerRelay
+from fixtures.tools import require
+
+SEG = 16 << 20
+# Bigger values for the note's measurements; the defaults keep the test short.
+SCALE = os.environ.get("E2E_PGBENCH_SCALE", "1")
+SECONDS = os.environ.get("E2E_PGBENCH_SECONDS", "3")
+
+# What the standby must return exactly as the primary does.
+CHECKS = [
+    "SELECT count(*), sum(id), md5(string_agg(id || ':' || v, ',' ORDER BY id)) FROM known",
+    "SELECT count(*), sum(abalance), md5(string_agg(aid || ':' || abalance, ',' ORDER BY aid))"
+    " FROM pgbench_accounts",
+    "SELECT count(*), sum(bbalance) FROM pgbench_branches",
+    "SELECT count(*), sum(tbalance) FROM pgbench_tellers",
+    "SELECT count(*), sum(delta) FROM pgbench_history",
+]
+
+
+@pytest.fixture
+def pg_factory():
+    clusters: list[PgCluster] = []
+
+    def make(name: str) -> PgCluster:
+        c = PgCluster(name)
+        clusters.append(c)
+        return c
+
+    yield make
+    for c in clusters:
+        c.cleanup()
+
+
+def timeline(sk) -> dict:
+    tls = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()
+    assert len(tls) == 1, tls
+    return tls[0]
+
+
+def wait_committed(sk, lsn: int, relay: WalProposerRelay, timeout: float = 60) -> dict:
+    """Waits until safekeeper `sk` knows `lsn` is committed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            tl = timeline(sk)
+            if lsn_int(tl["commit_lsn"]) >= lsn:
+                return tl
+        except (requests.RequestException, AssertionError):
+            pass
+        assert relay.proc.poll() is None, f"walproposer exited:\n{relay.log()}"
+        assert time.monotonic() < deadline, f"{fmt_lsn(lsn)} not committed:\n{relay.log()}"
+        time.sleep(0.05)
+
+
+def segment_name(lsn: int, seg: int = SEG) -> str:
+    segno, per_id = lsn // seg, (1 << 32) // seg
+    return f"00000001{segno // per_id:08X}{segno % per_id:08X}"
+
+
+def receive_and_compare(primary: PgCluster, sk, end: int, dest, seg: int = SEG) -> list[str]:
+    """pg_receivewal from `sk` up to `end`; completed segments must equal the primary's.
+    Returns the names compared (segments the primary still has)."""
+    dest.mkdir()
+    exe = require("pg_receivewal", "postgresql-client-15")
+    out = subprocess.run(
+        [exe, "-D", str(dest), "-h", "127.0.0.1", "-p", str(sk.pg_port), "-U", "postgres"]
+        + ["--no-loop", "-v", "--slot", "recv", "--endpos", fmt_lsn(end - 1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    compared = []
+    for got in sorted(p for p in dest.iterdir() if not p.name.endswith(".partial")):
+        theirs = primary.datadir / "pg_wal" / got.name
+        if theirs.exists():
+            assert got.read_bytes() == theirs.read_bytes(), got.name
+            compared.append(got.name)
+    return compared
+
+
+def pgbench(primary: PgCluster, *args: str) -> None:
+    exe = require("pgbench", "postgresql-contrib-15")
+    out = subprocess.run(
+        [exe, "-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres", *args, "postgres"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def same_results(primary: PgCluster, standby: PgCluster) -> None:
+    for q in CHECKS:
+        assert standby.psql(q) == primary.psql(q), q
+
+
+def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
+    safekeeper_factory, pg_factory, tmp_path
+):
+    # A short wal_sender_timeout: the relay's status updates must keep its stream alive.
+    primary = pg_factory("primary").init(wal_sender_timeout="'3s'").start()
+    system_id = primary.psql("SELECT system_identifier FROM pg_control_system()")
+    primary.psql("CREATE TABLE known (id int PRIMARY KEY, v text)")
+    primary.psql("INSERT INTO known SELECT g, 'row ' || g FROM generate_series(1, 1000) g")
+
+    sks = [safekeeper_factory(i).start() for i in (1, 2, 3)]
+    relay = WalProposerRelay(sks, primary, "wp_slot", tmp_path)
+    try:
+        # The safekeepers hold the primary's WAL from a segment start, with its identity.
+        tl = wait_committed(sks[0], primary.current_lsn(), relay)
+        start = lsn_int(tl["local_start_lsn"])
+        assert start % SEG == 0, tl
+        assert str(tl["system_id"]) == system_id
+        assert tl["wal_seg_size"] == SEG
+        assert tl["pg_version"] // 10000 == 15
+        slot = primary.psql(
+            "SELECT slot_type, active FROM pg_replication_slots WHERE slot_name = 'wp_slot'"
+        )
+        assert slot == "physical|t"
+
+        # Only now the base backup: its redo point lies in WAL the safekeepers have.
+        standby = pg_factory("standby").basebackup_from(primary, sks[0].pg_port)
+        assert standby.backup_start_lsn() >= start
+        standby.start()
+
+        # Writes on the primary: a known table and pgbench, sampled for the note's figures.
+        primary.psql("INSERT INTO known SELECT g, 'more ' || g FROM generate_series(1001, 2000) g")
+        figures = {}
+        samples: list[tuple[float, int, int]] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                try:
+                    # Standby first: primary minus standby is then an upper bound of the lag.
+                    s = standby.replay_lsn()
+                    p = primary.current_lsn()
+                    samples.append((time.monotonic(), p, s))
+                except AssertionError:
+                    pass
+                time.sleep(0.2)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        for phase, args in (
+            ("pgbench_init", ("-i", "-s", SCALE, "-q")),
+            ("pgbench_run", ("-c", "2", "-j", "2", "-T", SECONDS, "-n")),
+        ):
+            lsn0, t0 = primary.current_lsn(), time.monotonic()
+            pgbench(primary, *args)
+            lsn1, t1 = primary.current_lsn(), time.monotonic()
+            wait_committed(sks[0], lsn1, relay)
+            t2 = time.monotonic()
+            standby.wait_replayed(lsn1)
+            t3 = time.monotonic()
+            mb = (lsn1 - lsn0) / 1e6
+            figures[phase] = {
+                "wal_mb": round(mb, 2),
+                "primary_mb_s": round(mb / (t1 - t0), 2),
+                "relay_committed_mb_s": round(mb / (t2 - t0), 2),
+                "commit_after_end_s": round(t2 - t1, 3),
+                "standby_replayed_after_end_s": round(t3 - t1, 3),
+            }
+        stop.set()
+        sampler.join()
+        lags = [p - s for _, p, s in samples]
+        figures["standby_lag_bytes_upper_bound"] = {
+            "samples": len(lags),
+            "median": int(statistics.median(lags)) if lags else None,
+            "max": max(lags) if lags else None,
+        }
+        same_results(primary, standby)
+        assert standby.psql("SELECT count(*) FROM known") == "2000"
+        assert standby.psql("SELECT count(*) FROM pgbench_history") != "0"
+
+        # The standby's safekeeper stops; point the standby at another one.
+        sks[0].stop()
+        standby.psql(
+            f"ALTER SYSTEM SET primary_conninfo = {standby.conninfo_setting(sks[1].pg_port)}"
+        )
+        standby.psql("SELECT pg_reload_conf()")
+        primary.psql("INSERT INTO known SELECT g, 'after ' || g FROM generate_series(2001, 2500) g")
+        pgbench(primary, "-c", "1", "-t", "200", "-n")
+        target = primary.current_lsn()
+        standby.wait_replayed(target)
+        same_results(primary, standby)
+        assert standby.psql("SELECT count(*), max(id) FROM known") == "2500|2500"
+        conninfo = standby.psql("SHOW primary_conninfo")
+        assert f"port={sks[1].pg_port}" in conninfo
+
+        # The primary restarts: the relay reconnects and resumes where the proposer's WAL ends.
+        primary.restart()
+        primary.psql("INSERT INTO known VALUES (2502, 'after the primary restarted')")
+        standby.wait_replayed(primary.current_lsn())
+        same_results(primary, standby)
+        assert "replication from the primary stopped" in relay.log()
+
+        # Complete a segment, then read everything from a safekeeper with pg_receivewal.
+        switched = lsn_int(primary.psql("SELECT pg_switch_wal()"))
+        primary.psql("INSERT INTO known VALUES (2501, 'next segment')")
+        end = lsn_int(wait_committed(sks[1], primary.current_lsn(), relay)["commit_lsn"])
+        assert end // SEG > switched // SEG
+        compared = receive_and_compare(primary, sks[1], end, tmp_path / "recv")
+        assert segment_name(switched) in compared, compared
+
+        assert "replication timeout" not in primary.log()
+        final = json.loads(relay.stop().splitlines()[-1])
+        assert lsn_int(final["commit_lsn"]) >= end
+        figures["relay_total"] = final
+        print("\nFIGURES " + json.dumps(figures))
+        (tmp_path / "figures.json").write_text(json.dumps(figures, indent=1))
+        # The slot followed the quorum-committed LSN: the primary may recycle WAL below it.
+        restart = primary.psql(
+            "SELECT restart_lsn FROM pg_replication_slots WHERE slot_name = 'wp_slot'"
+        )
+        assert lsn_int(restart) >= end, restart
+    finally:
+        relay.kill()
+
+
+def test_relay_from_inside_a_record_and_after_a_restart(safekeeper_factory, pg_factory, tmp_path):
+    """1 MiB segments and a slot whose segment begins inside a 3 MB record: the safekeepers'
+    WAL starts with that record's tail. A restarted relay continues at the term start (mid
+    segment). pg_receivewal gets every completed segment byte-identical to the primary's."""
+    seg = 1 << 20
+    primary = pg_factory("primary").init("--wal-segsize=1").start()
+    before_msg = primary.current_lsn()
+    primary.psql("SELECT pg_logical_emit_message(false, 'big', repeat('x', 3000000))")
+    # A new physical slot reserves WAL from the last checkpoint's redo point: move it past.
+    primary.psql("CHECKPOINT")
+    primary.psql("SELECT pg_create_physical_replication_slot('wp', true)")
+    restart = lsn_int(
+        primary.psql("SELECT restart_lsn FROM pg_replication_slots WHERE slot_name = 'wp'")
+    )
+    first_seg = restart - restart % seg
+    assert first_seg > before_msg, "the slot's segment must begin inside the message"
+    page = (primary.datadir / "pg_wal" / segment_name(first_seg, seg)).read_bytes()[:4]
+    assert int.from_bytes(page[2:4], "little") & 0x0001, "XLP_FIRST_IS_CONTRECORD"
+
+    sks = [safekeeper_factory(i).start() for i in (1, 2, 3)]
+    relay = WalProposerRelay(sks, primary, "wp", tmp_path)
+    try:
+        tl = wait_committed(sks[0], primary.current_lsn(), relay)
+        assert lsn_int(tl["local_start_lsn"]) == first_seg
+        assert tl["wal_seg_size"] == seg
+        first = json.loads(relay.stop().splitlines()[-1])
+        assert first["start_lsn"] == fmt_lsn(first_seg)
+
+        # WAL written while no relay runs; a new relay (a new term) continues where the
+        # safekeepers' WAL ends, which is not a segment start.
+        primary.psql("CREATE TABLE t AS SELECT g FROM generate_series(1, 20000) g")
+        relay = WalProposerRelay(sks, primary, "wp", tmp_path)
+        wait_committed(sks[0], primary.current_lsn(), relay)
+        primary.psql("SELECT pg_switch_wal()")
+        primary.psql("INSERT INTO t VALUES (0)")
+        end = lsn_int(wait_committed(sks[2], primary.current_lsn(), relay)["commit_lsn"])
+        second = json.loads(relay.stop().splitlines()[-1])
+        assert second["start_lsn"] == first["commit_lsn"]
+        assert lsn_int(second["start_lsn"]) % seg != 0
+        assert (
+            json.loads(requests.get(f"{sks[2].http}/v1/timelines", timeout=5).text)[0]["term"] == 2
+        )
+
+        compared = receive_and_compare(primary, sks[2], end, tmp_path / "recv", seg)
+        assert segment_name(first_seg, seg) in compared, compared
+        assert len(compared) >= 3, compared
+    finally:
+        relay.kill()
