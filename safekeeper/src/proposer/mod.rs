@@ -574,9 +574,9 @@ async fn run_safekeeper(
             Some(c) => Ok(c),
             None => reconnect(&shared, &addr).await,
         };
+        let connected_at = std::time::Instant::now();
         let result = match established {
             Ok((reader, mut writer, start)) => {
-                backoff = Duration::from_millis(100);
                 let elected = ProposerAcceptorMessage::Elected(ProposerElected {
                     generation: Generation::INVALID,
                     term: shared.term,
@@ -593,6 +593,11 @@ async fn run_safekeeper(
         match result {
             Ok(()) => return,
             Err(e) => {
+                // A stream that worked for a while starts the backoff over; one that fails at
+                // once (a refused append, a safekeeper that keeps rejecting us) backs off more.
+                if connected_at.elapsed() > Duration::from_secs(10) {
+                    backoff = Duration::from_millis(100);
+                }
                 tracing::warn!(safekeeper = %addr, "streaming failed: {e}; reconnecting in {backoff:?}");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
