@@ -56,6 +56,9 @@ struct Args {
     /// Password for safekeepers started with --pg-auth-token-file.
     #[arg(long, env = "WALPROPOSER_PASSWORD")]
     password: Option<String>,
+    /// Append every quorum-commit advance (an acknowledgement) to this file.
+    #[arg(long)]
+    ack_log: Option<std::path::PathBuf>,
     /// Elect, make the end of WAL committed on a quorum, print that LSN, exit.
     #[arg(long)]
     sync: bool,
@@ -123,6 +126,38 @@ async fn main() {
     }
 }
 
+/// Appends every quorum-commit advance of `proposer` to `path` (one `X/X` line each, flushed to
+/// the OS at once), so a test can check that nothing acknowledged is ever lost. Ends when the
+/// proposer stops.
+fn spawn_ack_log(
+    proposer: &Proposer,
+    path: &std::path::Path,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening --ack-log {}", path.display()))?;
+    let mut rx = proposer.subscribe();
+    Ok(tokio::spawn(async move {
+        let mut logged = Lsn::INVALID;
+        loop {
+            let commit = rx.borrow_and_update().commit_lsn;
+            if commit > logged {
+                if let Err(e) = writeln!(file, "{commit}") {
+                    tracing::error!("writing the ack log: {e}");
+                    return;
+                }
+                logged = commit;
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }))
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
     let safekeepers = args
         .safekeepers
@@ -152,6 +187,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     let proposer = Proposer::elect(cfg).await.context("election")?;
     tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
+    let ack_log = match &args.ack_log {
+        Some(path) => Some(spawn_ack_log(&proposer, path)?),
+        None => None,
+    };
     if args.sync {
         let lsn = proposer.sync().await?;
         proposer.finish(Duration::from_secs(10)).await;
@@ -168,6 +207,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             };
             let stats = synthetic::run(&proposer, &opts).await?;
             proposer.finish(Duration::from_secs(10)).await;
+            if let Some(task) = ack_log {
+                let _ = task.await;
+            }
             println!("{}", serde_json::to_string(&stats)?);
         }
         Source::Postgres => unreachable!("handled by relay_postgres"),
@@ -188,6 +230,10 @@ async fn relay_postgres(args: &Args, cfg: ProposerConfig) -> anyhow::Result<()> 
     let cfg = primary.proposer_config(cfg);
     let proposer = Proposer::elect(cfg).await.context("election")?;
     tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
+    let ack_log = match &args.ack_log {
+        Some(path) => Some(spawn_ack_log(&proposer, path)?),
+        None => None,
+    };
     if args.sync {
         let lsn = proposer.sync().await?;
         proposer.finish(Duration::from_secs(10)).await;
@@ -225,6 +271,9 @@ async fn relay_postgres(args: &Args, cfg: ProposerConfig) -> anyhow::Result<()> 
     )
     .await;
     proposer.finish(Duration::from_secs(10)).await;
+    if let Some(task) = ack_log {
+        let _ = task.await;
+    }
     let Some(stats) = result.context("relaying")? else {
         eprintln!("stopped while reconnecting to the primary");
         return Ok(());
