@@ -100,3 +100,16 @@ def test_bit_flip_in_control_file_refuses_start_naming_the_file(safekeeper_facto
     assert proc.wait(timeout=30) == 1
     assert str(control) in sk.log()
     assert "checksum" in sk.log().lower() or "corrupt" in sk.log().lower()
+
+
+def test_flipped_byte_below_commit_refuses_start(safekeeper_factory):
+    sk = _stopped_with_wal(safekeeper_factory)
+    seg = timeline_dir(sk) / "000000010000000000000001.partial"
+    data = bytearray(seg.read_bytes())
+    data[1 << 20] ^= 0xFF  # 1 MiB into the WAL, far below the commit LSN (3 MiB)
+    seg.write_bytes(bytes(data))
+    proc = sk.spawn()
+    assert proc.wait(timeout=30) == 1
+    log = sk.log()
+    assert "below the commit LSN" in log, log[-2000:]
+    assert "refusing to start" in log
