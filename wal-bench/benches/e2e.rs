@@ -14,7 +14,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{
+    BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
+};
 use safekeeper::config::Conf;
 use safekeeper::daemon;
 use safekeeper::proposer::conn::SafekeeperAddr;
@@ -85,6 +87,8 @@ fn e2e(c: &mut Criterion) {
     let rt = runtime();
     let total = volume().min(256 << 20);
     let mut g = c.benchmark_group("e2e");
+    // Long iterations: the same count per sample (10 in all) instead of 1+2+..+10.
+    g.sampling_mode(SamplingMode::Flat);
     for n in [1, 3] {
         for size in [KIB, 128 * KIB] {
             let opts = SyntheticOptions {
@@ -104,6 +108,8 @@ fn e2e(c: &mut Criterion) {
     g.finish();
 
     let mut g = c.benchmark_group("e2e_commit");
+    // Long iterations: the same count per sample (10 in all) instead of 1+2+..+10.
+    g.sampling_mode(SamplingMode::Flat);
     let size = 8 * KIB;
     let total = (volume() / 4).clamp(size as u64, 4 << 20);
     for n in [1, 3] {

@@ -15,7 +15,9 @@
 
 use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{
+    BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
+};
 use tokio::runtime::Runtime;
 use wal_bench::{Acceptor, CpuProfile, Env, KIB, MIB, Workload, runtime, volume};
 
@@ -85,6 +87,8 @@ fn throughput(c: &mut Criterion) {
     let rt = runtime();
     let vol = volume();
     let mut g = c.benchmark_group("wal_acceptor_throughput");
+    // Long iterations: the same count per sample (10 in all) instead of 1+2+..+10.
+    g.sampling_mode(SamplingMode::Flat);
     for fsync in [false, true] {
         for commit in [false, true] {
             for size in [KIB, 8 * KIB, 128 * KIB, MIB] {
@@ -138,6 +142,8 @@ fn cpu_profile(c: &mut Criterion) {
     let size = 128 * KIB;
     let w = Workload::new(size, 1, volume().min(256 << 20), false);
     let mut g = c.benchmark_group("cpu_profile");
+    // Long iterations: the same count per sample (10 in all) instead of 1+2+..+10.
+    g.sampling_mode(SamplingMode::Flat);
     g.throughput(Throughput::Bytes(w.payload_bytes));
     for profiler in ["off", "99hz"] {
         g.bench_function(
