@@ -38,10 +38,40 @@ pub const REPLY_QUEUE_SIZE: usize = 16;
 pub const FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 
 /// What the writer sends.
-enum Outgoing {
+#[derive(Debug)]
+pub enum Outgoing {
     Reply(AcceptorProposerMessage),
     /// Ends the stream with an ErrorResponse.
     Error(ErrorFields),
+}
+
+/// A message queued for the acceptor, with its WAL byte count (for the queue gauges).
+pub type QueuedMsg = (ProposerAcceptorMessage, usize);
+
+/// Starts the acceptor of `tl` on a blocking thread (the middle of the pipeline, without a
+/// socket): messages go in through the returned queue (use [`enqueue`]), replies and a fatal
+/// error come out on `reply_tx`. Closing the queue makes it flush what it wrote and exit; the
+/// handle completes then. Must be called inside a tokio runtime.
+pub fn spawn_acceptor(
+    tl: Arc<Timeline>,
+    reply_tx: mpsc::Sender<Outgoing>,
+) -> (mpsc::Sender<QueuedMsg>, tokio::task::JoinHandle<()>) {
+    let (msg_tx, msg_rx) = mpsc::channel(MSG_QUEUE_SIZE);
+    let task = tokio::task::spawn_blocking(move || run_acceptor(&tl, msg_rx, reply_tx));
+    (msg_tx, task)
+}
+
+/// Queues `msg` for the acceptor, waiting while the queue is full (back-pressure). False if the
+/// acceptor has stopped. Cancellation-safe: a cancelled call queued nothing.
+pub async fn enqueue(tx: &mpsc::Sender<QueuedMsg>, msg: ProposerAcceptorMessage) -> bool {
+    let bytes = wal_len(&msg);
+    let Ok(permit) = tx.reserve().await else {
+        return false;
+    };
+    metrics::RECEIVER_QUEUE_DEPTH.inc();
+    metrics::RECEIVER_QUEUE_BYTES.add(bytes as i64);
+    permit.send((msg, bytes));
+    true
 }
 
 /// Serves one `START_WAL_PUSH` connection until the proposer disconnects, an error ends it, or
@@ -123,27 +153,17 @@ where
     let _counted = tl.proposer_guard();
     tracing::info!(ttid = %tl.ttid, "proposer connected");
 
-    let (msg_tx, msg_rx) = mpsc::channel(MSG_QUEUE_SIZE);
     let (reply_tx, reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
-    let acceptor = {
-        let tl = tl.clone();
-        let reply_tx = reply_tx.clone();
-        tokio::task::spawn_blocking(move || run_acceptor(&tl, msg_rx, reply_tx))
-    };
+    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx.clone());
     let writer_task = tokio::spawn(run_writer(writer, reply_rx));
 
     // The greeting goes through the acceptor like every other message, in order.
     let mut next = Some(ProposerAcceptorMessage::Greeting(greeting));
     let result = loop {
-        if let Some(msg) = next.take() {
-            let bytes = wal_len(&msg);
-            metrics::RECEIVER_QUEUE_DEPTH.inc();
-            metrics::RECEIVER_QUEUE_BYTES.add(bytes as i64);
-            if msg_tx.send((msg, bytes)).await.is_err() {
-                metrics::RECEIVER_QUEUE_DEPTH.dec();
-                metrics::RECEIVER_QUEUE_BYTES.sub(bytes as i64);
-                break Ok(()); // the acceptor stopped (and said why)
-            }
+        if let Some(msg) = next.take()
+            && !enqueue(&msg_tx, msg).await
+        {
+            break Ok(()); // the acceptor stopped (and said why)
         }
         tokio::select! {
             msg = read_proposer_msg(&mut reader) => match msg {
@@ -248,11 +268,7 @@ fn wal_len(m: &ProposerAcceptorMessage) -> usize {
 
 /// The acceptor loop (blocking thread). Returns when the queue closes or an error ends the
 /// connection; flushes written WAL before returning.
-fn run_acceptor(
-    tl: &Timeline,
-    mut rx: mpsc::Receiver<(ProposerAcceptorMessage, usize)>,
-    tx: mpsc::Sender<Outgoing>,
-) {
+fn run_acceptor(tl: &Timeline, mut rx: mpsc::Receiver<QueuedMsg>, tx: mpsc::Sender<Outgoing>) {
     let mut dirty = false;
     let mut last_flush = Instant::now();
     loop {

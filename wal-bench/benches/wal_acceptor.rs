@@ -1,0 +1,168 @@
+//! The real `WalAcceptor` (bounded queue → blocking `process_msg` loop with one `fdatasync`
+//! per drained batch → replies), driven without a socket.
+//!
+//! - `wal_acceptor/fsync={false,true}/n={1,100,10000}`: a pipelined batch of n small records
+//!   (one 64-byte logical message per append), timed until the flush acknowledgement covers
+//!   the last one. Throughput: elements (appends).
+//! - `wal_acceptor_throughput/fsync=../commit=../size={1024,8192,131072,1048576}`:
+//!   `$WAL_BENCH_VOLUME` bytes (default 1 GiB) of appends of one `size`-byte record each,
+//!   through the real queue sizes into a fresh timeline, until the last flush ack. Throughput:
+//!   payload bytes.
+//! - `durable_commit/fsync=true/size=8192`: single stream, one 8 KiB record per append, each
+//!   waiting for its flush ack before the next is sent (compare with `pg_test_fsync`).
+//! - `cpu_profile/profiler={off,99hz}/fsync=false/size=131072`: the throughput bench with and
+//!   without a 99 Hz CPU profile of the whole process running, side by side.
+
+use std::time::{Duration, Instant};
+
+use criterion::{
+    BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
+};
+use tokio::runtime::Runtime;
+use wal_bench::{Acceptor, CpuProfile, Env, KIB, MIB, Workload, runtime, volume};
+
+profiling::global_allocator!();
+
+/// Payload of the small records of `wal_acceptor`.
+const SMALL: usize = 64;
+
+fn wal_acceptor(c: &mut Criterion) {
+    let rt = runtime();
+    let mut g = c.benchmark_group("wal_acceptor");
+    for fsync in [false, true] {
+        for n in [1u64, 100, 10_000] {
+            g.throughput(Throughput::Elements(n));
+            let mut env = Env::new(fsync).expect("bench env");
+            let mut acceptor = rt.block_on(async { Acceptor::spawn(env.tl.clone()) });
+            let payload = [b'x'; SMALL];
+            g.bench_function(
+                BenchmarkId::new(format!("fsync={fsync}"), format!("n={n}")),
+                |b| {
+                    b.iter_custom(|iters| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
+                            let msgs: Vec<_> =
+                                (0..n).map(|_| env.next_append(&payload, true)).collect();
+                            let end = env.generator.lsn();
+                            let t = Instant::now();
+                            rt.block_on(async {
+                                for m in msgs {
+                                    acceptor.push(m).await.expect("push");
+                                    acceptor.poll_replies().expect("reply");
+                                }
+                                acceptor.wait_flushed(end).await.expect("flush ack");
+                            });
+                            total += t.elapsed();
+                        }
+                        total
+                    })
+                },
+            );
+            rt.block_on(acceptor.close()).expect("close acceptor");
+        }
+    }
+    g.finish();
+}
+
+/// Pushes the whole workload into a fresh timeline's acceptor; returns the time from the first
+/// push to the flush ack of the last append.
+fn push_volume(rt: &Runtime, w: &Workload, fsync: bool) -> Duration {
+    let env = Env::new(fsync).expect("bench env");
+    let (elapsed, acceptor) = rt.block_on(async {
+        let mut acceptor = Acceptor::spawn(env.tl.clone());
+        let t = Instant::now();
+        for m in &w.msgs {
+            acceptor.push(m.clone()).await.expect("push");
+            acceptor.poll_replies().expect("reply");
+        }
+        acceptor.wait_flushed(w.end).await.expect("flush ack");
+        (t.elapsed(), acceptor)
+    });
+    rt.block_on(acceptor.close()).expect("close acceptor");
+    drop(env);
+    elapsed
+}
+
+fn throughput(c: &mut Criterion) {
+    let rt = runtime();
+    let vol = volume();
+    let mut g = c.benchmark_group("wal_acceptor_throughput");
+    // Long iterations: the same count per sample (10 in all) instead of 1+2+..+10.
+    g.sampling_mode(SamplingMode::Flat);
+    for fsync in [false, true] {
+        for commit in [false, true] {
+            for size in [KIB, 8 * KIB, 128 * KIB, MIB] {
+                let w = Workload::new(size, 1, vol, commit);
+                g.throughput(Throughput::Bytes(w.payload_bytes));
+                g.bench_function(
+                    BenchmarkId::new(
+                        format!("fsync={fsync}/commit={commit}"),
+                        format!("size={size}"),
+                    ),
+                    |b| {
+                        b.iter_custom(|iters| (0..iters).map(|_| push_volume(&rt, &w, fsync)).sum())
+                    },
+                );
+            }
+        }
+    }
+    g.finish();
+}
+
+fn durable_commit(c: &mut Criterion) {
+    let rt = runtime();
+    let mut g = c.benchmark_group("durable_commit");
+    let size = 8 * KIB;
+    g.throughput(Throughput::Elements(1));
+    let mut env = Env::new(true).expect("bench env");
+    let mut acceptor = rt.block_on(async { Acceptor::spawn(env.tl.clone()) });
+    let payload = vec![b'x'; size];
+    g.bench_function(format!("fsync=true/size={size}"), |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let m = env.next_append(&payload, true);
+                let end = env.generator.lsn();
+                let t = Instant::now();
+                rt.block_on(async {
+                    acceptor.push(m).await.expect("push");
+                    acceptor.wait_flushed(end).await.expect("flush ack");
+                });
+                total += t.elapsed();
+            }
+            total
+        })
+    });
+    rt.block_on(acceptor.close()).expect("close acceptor");
+    g.finish();
+}
+
+fn cpu_profile(c: &mut Criterion) {
+    let rt = runtime();
+    let size = 128 * KIB;
+    let w = Workload::new(size, 1, volume().min(256 << 20), false);
+    let mut g = c.benchmark_group("cpu_profile");
+    // Long iterations: the same count per sample (10 in all) instead of 1+2+..+10.
+    g.sampling_mode(SamplingMode::Flat);
+    g.throughput(Throughput::Bytes(w.payload_bytes));
+    for profiler in ["off", "99hz"] {
+        g.bench_function(
+            format!("profiler={profiler}/fsync=false/size={size}"),
+            |b| {
+                b.iter_custom(|iters| {
+                    let _profile =
+                        (profiler == "99hz").then(|| CpuProfile::start().expect("CPU profile"));
+                    (0..iters).map(|_| push_volume(&rt, &w, false)).sum()
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = wal_bench::criterion();
+    targets = wal_acceptor, throughput, durable_commit, cpu_profile
+}
+criterion_main!(benches);
