@@ -134,10 +134,26 @@ mod testing {
     static RETAINED: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 
     pub(super) fn routes() -> Router<Arc<SharedState>> {
-        Router::new().route(
-            "/v1/debug/retain_memory",
-            put(retain_memory).delete(release_memory),
-        )
+        Router::new()
+            .route(
+                "/v1/debug/retain_memory",
+                put(retain_memory).delete(release_memory),
+            )
+            .route("/v1/failpoints", put(set_failpoint))
+    }
+
+    /// `PUT /v1/failpoints?name=N&active=true|false`.
+    async fn set_failpoint(Query(q): Query<HashMap<String, String>>) -> Result<String, ApiError> {
+        let name = q
+            .get("name")
+            .ok_or_else(|| ApiError::BadRequest("missing name".into()))?;
+        let on = match q.get("active").map(String::as_str) {
+            Some("true") => true,
+            Some("false") => false,
+            _ => return Err(ApiError::BadRequest("active must be true or false".into())),
+        };
+        crate::failpoint::set(name, on).map_err(ApiError::BadRequest)?;
+        Ok(format!("{name} {}\n", if on { "on" } else { "off" }))
     }
 
     /// `PUT /v1/debug/retain_memory?mib=N`: allocates N MiB (touched, in 1 MiB chunks) and keeps it.

@@ -13,6 +13,7 @@
 
 pub mod config;
 pub mod daemon;
+pub mod failpoint;
 pub mod http;
 pub mod metrics;
 pub mod pq;

@@ -23,9 +23,13 @@ pub enum SyncKind {
 /// Syncs `file` (named `path` in the log) or aborts the process: the one place a failed fsync
 /// is handled.
 pub fn fsync_or_abort(file: &File, path: &Path, kind: SyncKind) {
-    let res = match kind {
-        SyncKind::Data => file.sync_data(),
-        SyncKind::All => file.sync_all(),
+    let res = if crate::failpoint::active("wal-fsync-error") {
+        Err(std::io::Error::from_raw_os_error(libc::EIO))
+    } else {
+        match kind {
+            SyncKind::Data => file.sync_data(),
+            SyncKind::All => file.sync_all(),
+        }
     };
     if let Err(e) = res {
         tracing::error!(path = %path.display(), error = %e, "fsync failed: aborting (a retried fsync can falsely succeed)");

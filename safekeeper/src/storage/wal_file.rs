@@ -549,6 +549,12 @@ impl WalStore for WalFileStore {
     }
 
     fn write_wal(&mut self, start: Lsn, buf: &[u8]) -> Result<()> {
+        if crate::failpoint::active("wal-write-enospc") {
+            return Err(Error::io(
+                format!("writing WAL at {start} (failpoint)"),
+                std::io::Error::from_raw_os_error(libc::ENOSPC),
+            ));
+        }
         if self.pending_truncation {
             return Err(Error::Rejected(format!(
                 "write at {start} refused: WAL must be truncated after start-up first"

@@ -1,0 +1,91 @@
+"""Injected storage faults (failpoints of the `testing` build): a failed fsync aborts the
+process and nothing undurable is claimed after restart; a full disk fails appends while the
+daemon keeps serving, and ingestion resumes when space returns. Promises 6 and 7 of
+docs/durability.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import requests
+
+from fixtures.daemon import RELEASE_DIR, lsn_int
+
+
+def spawn_proposer(sk, ack_log, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(RELEASE_DIR / "walproposer"), "--safekeepers", f"127.0.0.1:{sk.pg_port}"]
+        + ["--ack-log", str(ack_log), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def failpoint(sk, name: str, active: bool) -> None:
+    r = requests.put(
+        f"{sk.http}/v1/failpoints",
+        params={"name": name, "active": str(active).lower()},
+        timeout=5,
+    )
+    assert r.ok, r.text
+
+
+def max_acked(ack_log) -> int:
+    return max((lsn_int(x) for x in ack_log.read_text().split()), default=0)
+
+
+def test_unknown_failpoint_is_refused(safekeeper):
+    r = requests.put(
+        f"{safekeeper.http}/v1/failpoints", params={"name": "nope", "active": "true"}, timeout=5
+    )
+    assert r.status_code == 400
+    assert "wal-write-enospc" in r.text
+
+
+def test_failed_fsync_aborts_and_nothing_undurable_is_claimed(safekeeper_factory, tmp_path):
+    sk = safekeeper_factory().start()
+    ack_log = tmp_path / "acks"
+    wp = spawn_proposer(sk, ack_log, "--total", "10G", "--rate", "8M")
+    time.sleep(1.5)
+    acked_before = max_acked(ack_log)
+    assert acked_before > 0
+    failpoint(sk, "wal-fsync-error", True)
+    # The next fsync fails: the process aborts instead of retrying.
+    assert sk.proc.wait(timeout=20) == -6  # SIGABRT
+    assert "fsync failed" in sk.log()
+    wp.kill()
+    wp.wait()
+    acked = max_acked(ack_log)
+    sk.start()
+    t = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()[0]
+    # Everything acknowledged before the failure is there after the restart.
+    assert lsn_int(t["flush_lsn"]) >= acked, (t, acked)
+
+
+def test_disk_full_fails_appends_keeps_serving_and_resumes(safekeeper_factory, tmp_path):
+    sk = safekeeper_factory().start()
+    ack_log = tmp_path / "acks"
+    wp = spawn_proposer(sk, ack_log, "--total", "24M", "--rate", "6M")
+    time.sleep(1.0)
+    failpoint(sk, "wal-write-enospc", True)
+    time.sleep(2.0)
+    # Appends fail, the daemon stays up and answers.
+    assert sk.proc.poll() is None
+    assert "no space left on device" in sk.log()
+    stalled = max_acked(ack_log)
+    assert requests.get(f"{sk.http}/v1/status", timeout=5).ok
+    t = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()[0]
+    assert lsn_int(t["flush_lsn"]) >= stalled
+    # Space returns: the proposer's reconnects succeed and it finishes.
+    failpoint(sk, "wal-write-enospc", False)
+    out, err = wp.communicate(timeout=120)
+    assert wp.returncode == 0, err
+    assert "no space left on device" in err, "the proposer must have seen the error"
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["commit_lsn"] == stats["end_lsn"]
+    t = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()[0]
+    assert t["flush_lsn"] == stats["end_lsn"]
+    assert max_acked(ack_log) <= lsn_int(t["flush_lsn"])
