@@ -89,3 +89,44 @@ def test_disk_full_fails_appends_keeps_serving_and_resumes(safekeeper_factory, t
     t = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()[0]
     assert t["flush_lsn"] == stats["end_lsn"]
     assert max_acked(ack_log) <= lsn_int(t["flush_lsn"])
+
+
+def test_real_full_filesystem_fails_appends_and_recovers_when_space_returns(
+    safekeeper_factory, tmp_path
+):
+    """A real 6 MiB tmpfs fills up under 1 MiB WAL segments; growing it lets ingestion finish."""
+    import pytest
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        sk = safekeeper_factory()
+        sk.datadir = small / "data"
+        sk.start()
+        ack_log = tmp_path / "acks"
+        wp = spawn_proposer(
+            sk, ack_log, "--wal-seg-size", "1048576", "--total", "12M", "--rate", "4M"
+        )
+        deadline = time.monotonic() + 30
+        while "no space left on device" not in sk.log():
+            assert time.monotonic() < deadline, "the filesystem never filled up"
+            assert wp.poll() is None, wp.stderr.read()
+            time.sleep(0.2)
+        assert sk.proc.poll() is None
+        assert requests.get(f"{sk.http}/v1/status", timeout=5).ok
+        stalled = max_acked(ack_log)
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)
+        out, err = wp.communicate(timeout=120)
+        assert wp.returncode == 0, err
+        stats = json.loads(out.strip().splitlines()[-1])
+        t = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()[0]
+        assert t["flush_lsn"] == stats["end_lsn"]
+        assert stalled <= lsn_int(t["flush_lsn"])
+        sk.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
