@@ -1,11 +1,13 @@
-//! `file_write/{stdlib,tokio}/fsync={false,true}/file={append,sparse,zeroed}/size=N`: the raw
+//! `file_write/{stdlib,tokio}/fsync={false,true}/file={append,sparse,zeroed,rewrite}/size=N`: the raw
 //! baseline the ingest path is measured against: one N-byte write (plus `fdatasync` with
 //! fsync=true) at a time, sequentially, into
 //! - `append`: a file that grows with each write (size metadata changes every time);
 //! - `sparse`: a file preallocated with `set_len` (how our WAL segments are created): no size
 //!   change, but each first write to a block allocates it;
 //! - `zeroed`: a file written full of zeros first (how `pg_test_fsync` prepares its file):
-//!   overwrites only, so `fdatasync` has no metadata to journal.
+//!   overwrites only, so `fdatasync` has no metadata to journal;
+//! - `rewrite`: the zero-filled file, but every write goes to offset 0 (what `pg_test_fsync`'s
+//!   "one 8kB write" test actually does: it seeks back after each fdatasync).
 //!
 //! `stdlib` uses `std::fs::File` (`pwrite`); `tokio` uses `tokio::fs::File` (each call hops to
 //! the blocking pool). Throughput: bytes written. Resets (truncation, re-preallocation) happen
@@ -32,6 +34,7 @@ enum Kind {
     Append,
     Sparse,
     Zeroed,
+    Rewrite,
 }
 
 impl Kind {
@@ -40,6 +43,7 @@ impl Kind {
             Kind::Append => "append",
             Kind::Sparse => "sparse",
             Kind::Zeroed => "zeroed",
+            Kind::Rewrite => "rewrite",
         }
     }
 }
@@ -56,7 +60,7 @@ fn prepare(path: &Path, kind: Kind) -> File {
     match kind {
         Kind::Append => {}
         Kind::Sparse => f.set_len(REGION).expect("set_len"),
-        Kind::Zeroed => {
+        Kind::Zeroed | Kind::Rewrite => {
             let zeros = vec![0u8; MIB];
             for i in 0..REGION / MIB as u64 {
                 f.write_all_at(&zeros, i * MIB as u64).expect("zero fill");
@@ -72,7 +76,7 @@ fn stdlib(c: &mut Criterion) {
     let path = dir.path().join("file_write");
     let mut g = c.benchmark_group("file_write");
     for fsync in [false, true] {
-        for kind in [Kind::Append, Kind::Sparse, Kind::Zeroed] {
+        for kind in [Kind::Append, Kind::Sparse, Kind::Zeroed, Kind::Rewrite] {
             for size in SIZES {
                 g.throughput(Throughput::Bytes(size as u64));
                 let buf = vec![0x5au8; size];
@@ -86,9 +90,9 @@ fn stdlib(c: &mut Criterion) {
                     b.iter_custom(|iters| {
                         let mut total = Duration::ZERO;
                         for _ in 0..iters {
-                            if off + size as u64 > REGION {
+                            if off + size as u64 > REGION || kind == Kind::Rewrite {
                                 // Zeroed files are simply overwritten again.
-                                if kind != Kind::Zeroed {
+                                if kind == Kind::Append || kind == Kind::Sparse {
                                     f = prepare(&path, kind);
                                 }
                                 off = 0;
