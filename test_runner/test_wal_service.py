@@ -122,3 +122,9 @@ def test_timeline_status_and_metrics_after_ingest(safekeeper):
     flushes = re.search(r"^safekeeper_wal_flushes_total (\d+)", text, re.M)
     assert flushes and int(flushes.group(1)) > 0
     assert re.search(r'^safekeeper_flush_lsn\{tenant_id="[0-9a-f]+",timeline_id', text, re.M)
+    appends = re.search(
+        r'^safekeeper_proposer_acceptor_messages_total\{kind="append",outcome="ok"\} (\d+)',
+        text,
+        re.M,
+    )
+    assert appends and int(appends.group(1)) > 0, text

@@ -112,6 +112,37 @@ pub static PROPOSER_MESSAGES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     c
 });
 
+/// Proposer message kinds, as labelled in `safekeeper_proposer_acceptor_messages_total`.
+pub const MESSAGE_KINDS: [&str; 6] = [
+    "greeting",
+    "vote_request",
+    "elected",
+    "append",
+    "append_noflush",
+    "flush",
+];
+
+/// Resolved counters per kind and outcome (ok, error), so the ingest path does not hash label
+/// values per message.
+static MESSAGE_COUNTERS: LazyLock<Vec<[IntCounter; 2]>> = LazyLock::new(|| {
+    MESSAGE_KINDS
+        .iter()
+        .map(|k| {
+            [
+                PROPOSER_MESSAGES.with_label_values(&[*k, "ok"]),
+                PROPOSER_MESSAGES.with_label_values(&[*k, "error"]),
+            ]
+        })
+        .collect()
+});
+
+/// Counts one processed proposer message of `kind` (one of [`MESSAGE_KINDS`]).
+pub fn count_proposer_message(kind: &str, ok: bool) {
+    if let Some(i) = MESSAGE_KINDS.iter().position(|k| *k == kind) {
+        MESSAGE_COUNTERS[i][usize::from(!ok)].inc();
+    }
+}
+
 /// Forces registration of every metric so `/metrics` shows them before first use.
 pub fn register() {
     LazyLock::force(&WAL_WRITTEN_BYTES);

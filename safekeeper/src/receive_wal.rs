@@ -299,9 +299,7 @@ fn run_acceptor(tl: &Timeline, mut rx: mpsc::Receiver<QueuedMsg>, tx: mpsc::Send
         };
         match tl.process_msg(&msg) {
             Ok(reply) => {
-                metrics::PROPOSER_MESSAGES
-                    .with_label_values(&[label, "ok"])
-                    .inc();
+                metrics::count_proposer_message(label, true);
                 if let Some(reply) = reply
                     && tx.blocking_send(Outgoing::Reply(reply)).is_err()
                 {
@@ -309,9 +307,7 @@ fn run_acceptor(tl: &Timeline, mut rx: mpsc::Receiver<QueuedMsg>, tx: mpsc::Send
                 }
             }
             Err(e) => {
-                metrics::PROPOSER_MESSAGES
-                    .with_label_values(&[label, "error"])
-                    .inc();
+                metrics::count_proposer_message(label, false);
                 tracing::warn!(ttid = %tl.ttid, "{label} refused: {e}");
                 let _ = tx.blocking_send(Outgoing::Error(ErrorFields::error(
                     sqlstate::INTERNAL_ERROR,
