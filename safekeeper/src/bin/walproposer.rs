@@ -185,18 +185,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if matches!(args.source, Source::Postgres) {
         return relay_postgres(&args, cfg).await;
     }
-    let proposer = Proposer::elect(cfg).await.context("election")?;
-    tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
-    let ack_log = match &args.ack_log {
-        Some(path) => Some(spawn_ack_log(&proposer, path)?),
-        None => None,
+    let Some((proposer, ack_log)) = elect(&args, cfg).await? else {
+        return Ok(()); // --sync: done
     };
-    if args.sync {
-        let lsn = proposer.sync().await?;
-        proposer.finish(Duration::from_secs(10)).await;
-        println!("{lsn}");
-        return Ok(());
-    }
     match args.source {
         Source::Synthetic => {
             let opts = SyntheticOptions {
@@ -217,6 +208,27 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Elects; with `--sync` also commits the end of WAL, prints it and returns `None`. Otherwise
+/// returns the proposer and the `--ack-log` writer, if any.
+async fn elect(
+    args: &Args,
+    cfg: ProposerConfig,
+) -> anyhow::Result<Option<(Proposer, Option<tokio::task::JoinHandle<()>>)>> {
+    let proposer = Proposer::elect(cfg).await.context("election")?;
+    tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
+    let ack_log = match &args.ack_log {
+        Some(path) => Some(spawn_ack_log(&proposer, path)?),
+        None => None,
+    };
+    if args.sync {
+        let lsn = proposer.sync().await?;
+        proposer.finish(Duration::from_secs(10)).await;
+        println!("{lsn}");
+        return Ok(None);
+    }
+    Ok(Some((proposer, ack_log)))
+}
+
 /// `--source postgres`: identify the primary, elect with its system id, version and segment
 /// size, relay until SIGINT/SIGTERM, then finish gracefully and print the final stats as JSON.
 async fn relay_postgres(args: &Args, cfg: ProposerConfig) -> anyhow::Result<()> {
@@ -228,18 +240,9 @@ async fn relay_postgres(args: &Args, cfg: ProposerConfig) -> anyhow::Result<()> 
         .await
         .context("connecting to the primary")?;
     let cfg = primary.proposer_config(cfg);
-    let proposer = Proposer::elect(cfg).await.context("election")?;
-    tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
-    let ack_log = match &args.ack_log {
-        Some(path) => Some(spawn_ack_log(&proposer, path)?),
-        None => None,
+    let Some((proposer, ack_log)) = elect(args, cfg).await? else {
+        return Ok(()); // --sync: done
     };
-    if args.sync {
-        let lsn = proposer.sync().await?;
-        proposer.finish(Duration::from_secs(10)).await;
-        println!("{lsn}");
-        return Ok(());
-    }
     let shutdown = tokio_util::sync::CancellationToken::new();
     let on_signal = shutdown.clone();
     tokio::spawn(async move {
