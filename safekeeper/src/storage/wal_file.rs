@@ -410,6 +410,13 @@ impl WalFileStore {
         self.flush_byte_lsn
     }
 
+    /// End of the bytes handed to the OS: `write_lsn` minus small appends still gathered in
+    /// memory (they reach the file before any fsync). A crash that keeps the page cache (kill -9)
+    /// keeps exactly this much.
+    pub fn os_write_lsn(&self) -> Lsn {
+        Lsn(self.write_lsn.0 - self.pending.len() as u64)
+    }
+
     /// A reader of this store's segments.
     pub fn reader(&self) -> WalReader {
         WalReader::new(self.dir.clone(), self.seg_size)
@@ -1242,18 +1249,20 @@ mod tests {
                     assert_eq!(s.flush_lsn(), end, "step {step}");
                 }
                 _ => {
-                    // "Reboot" (the OS keeps unsynced writes: every complete record written
-                    // is recovered), with commit_lsn some durable record boundary. A record
-                    // whose data is written but not its alignment padding is not counted by
-                    // the writer yet, but decodes on disk (preallocated padding reads as zeros).
+                    // "Reboot" (the OS keeps unsynced writes: every complete record handed to
+                    // the OS is recovered; small appends still gathered in memory are not),
+                    // with commit_lsn some durable record boundary. A record whose data is
+                    // written but not its alignment padding is not counted by the writer yet,
+                    // but decodes on disk (preallocated padding reads as zeros).
+                    let in_os = s.os_write_lsn();
                     let written = model
                         .recs
                         .iter()
                         .rev()
-                        .find(|p| p.data_end <= s.write_lsn())
+                        .find(|p| p.data_end <= in_os)
                         .map(|p| p.end)
-                        .unwrap_or(start)
-                        .max(s.write_record_lsn());
+                        .unwrap_or(start);
+                    assert!(written >= s.flush_lsn(), "step {step}: durable bytes not in the OS");
                     let commit = model.last_end_at_or_below(s.flush_lsn());
                     drop(s);
                     s = reopen(dir.path(), commit).unwrap();
@@ -1269,8 +1278,9 @@ mod tests {
             );
             assert!(s.flush_lsn() <= s.write_record_lsn() && s.write_record_lsn() <= s.write_lsn());
         }
-        // Everything written reads back as the model's stream.
-        let end = s.write_lsn();
+        // Everything handed to the OS reads back as the model's stream (readers never read past
+        // the flush LSN, which is always written out).
+        let end = s.os_write_lsn();
         let mut back = Vec::new();
         s.read_wal(start, end, &mut back).unwrap();
         assert!(back == model.stream[..back.len()], "read back differs");
