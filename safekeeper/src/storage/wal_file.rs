@@ -1262,7 +1262,10 @@ mod tests {
                         .find(|p| p.data_end <= in_os)
                         .map(|p| p.end)
                         .unwrap_or(start);
-                    assert!(written >= s.flush_lsn(), "step {step}: durable bytes not in the OS");
+                    assert!(
+                        written >= s.flush_lsn(),
+                        "step {step}: durable bytes not in the OS"
+                    );
                     let commit = model.last_end_at_or_below(s.flush_lsn());
                     drop(s);
                     s = reopen(dir.path(), commit).unwrap();
