@@ -19,6 +19,7 @@ use crate::pq::codec::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
 use crate::pq::replication::StandbyMessage;
 use crate::pq::server::{ServerConn, ServerReader, ServerWriter};
 use crate::pq::{PqError, pg_now};
+use crate::storage::wal_file::segment_path;
 use crate::timeline::{Positions, Timeline};
 use crate::types::{Lsn, Term};
 use crate::wal::format::xlog_file_name;
@@ -123,8 +124,9 @@ fn end_of(pos: &Positions, term: Option<Term>) -> Lsn {
 
 fn segment_exists(tl: &Timeline, lsn: Lsn) -> bool {
     let segno = lsn.segment_number(tl.seg_size);
-    let name = xlog_file_name(1, segno, tl.seg_size);
-    tl.dir.join(&name).exists() || tl.dir.join(format!("{name}.partial")).exists()
+    [false, true]
+        .into_iter()
+        .any(|partial| segment_path(&tl.dir, segno, tl.seg_size, partial).exists())
 }
 
 enum Ending {

@@ -64,6 +64,20 @@ impl SafekeeperAddr {
     }
 }
 
+impl SafekeeperAddr {
+    /// A replication connection to this safekeeper naming timeline `ttid` in its options.
+    pub fn client_config(&self, ttid: TenantTimelineId, application_name: &str) -> ClientConfig {
+        let mut config = ClientConfig::new(self.host.clone(), self.port, "walproposer");
+        config.application_name = Some(application_name.to_string());
+        config.options = Some(format!(
+            "-c tenant_id={} timeline_id={}",
+            ttid.tenant_id, ttid.timeline_id
+        ));
+        config.password = self.password.clone();
+        config
+    }
+}
+
 impl std::fmt::Display for SafekeeperAddr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}:{}", self.host, self.port)
@@ -88,14 +102,7 @@ pub async fn connect_push(
     allow_timeline_creation: bool,
     application_name: &str,
 ) -> Result<(PushReader, PushWriter), ConnError> {
-    let mut config = ClientConfig::new(addr.host.clone(), addr.port, "walproposer");
-    config.application_name = Some(application_name.to_string());
-    config.options = Some(format!(
-        "-c tenant_id={} timeline_id={}",
-        ttid.tenant_id, ttid.timeline_id
-    ));
-    config.password = addr.password.clone();
-    let conn = ClientConn::connect(&config).await?;
+    let conn = ClientConn::connect(&addr.client_config(ttid, application_name)).await?;
     let (r, w) = conn
         .start_copy_both(&format!(
             "START_WAL_PUSH (proto_version '3', allow_timeline_creation '{allow_timeline_creation}')"

@@ -2,7 +2,7 @@
 //! election (`START_REPLICATION ... (term='N')`, which serves durable but not yet committed WAL
 //! while the safekeeper's term is still N).
 
-use crate::pq::client::{ClientConfig, ClientConn, CopyEvent};
+use crate::pq::client::{ClientConn, CopyEvent};
 use crate::pq::replication::ReplicationMessage;
 use crate::proposer::conn::{ConnError, SafekeeperAddr};
 use crate::types::{Lsn, TenantTimelineId, Term};
@@ -28,14 +28,7 @@ pub async fn fetch_wal(
             "recovery of {len} bytes [{from}, {to}) exceeds the {MAX_FETCH_BYTES}-byte limit"
         )));
     }
-    let mut config = ClientConfig::new(addr.host.clone(), addr.port, "walproposer");
-    config.application_name = Some("wal_proposer_recovery".into());
-    config.options = Some(format!(
-        "-c tenant_id={} timeline_id={}",
-        ttid.tenant_id, ttid.timeline_id
-    ));
-    config.password = addr.password.clone();
-    let conn = ClientConn::connect(&config).await?;
+    let conn = ClientConn::connect(&addr.client_config(ttid, "wal_proposer_recovery")).await?;
     let (mut reader, mut writer) = conn
         .start_copy_both(&format!(
             "START_REPLICATION PHYSICAL {from} (term='{}')",
