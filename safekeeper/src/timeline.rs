@@ -27,6 +27,7 @@ use crate::state::{Configuration, ServerInfo, TimelinePersistentState};
 use crate::storage;
 use crate::storage::control_file::{CONTROL_FILE_NAME, FileControlStore};
 use crate::storage::durable::fsync_dir;
+use crate::storage::fs::Fs;
 use crate::storage::wal_file::{WalFileOptions, WalFileStore, WalReader};
 use crate::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId};
 use crate::wal::decoder::WalStreamDecoder;
@@ -103,6 +104,7 @@ impl Timeline {
                 system_id: control.server.system_id,
                 wal_start_lsn: control.local_start_lsn,
                 zero_fill: false,
+                fs: Fs::default(),
             },
         )?;
         let ttid = TenantTimelineId {
@@ -465,15 +467,15 @@ impl GlobalTimelines {
             .with_context(|| format!("creating {}", tenant_dir.display()))?;
         let dir = tenant_dir.join(ttid.timeline_id.to_string());
         if !self.no_sync {
-            fsync_dir(&tmp)?;
+            fsync_dir(&Fs::real(), &tmp);
         }
         std::fs::rename(&tmp, &dir)
             .with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
         // The timeline directory is durable in its tenant directory before anyone uses it.
         if !self.no_sync {
-            fsync_dir(&tenant_dir)?;
+            fsync_dir(&Fs::real(), &tenant_dir);
             if new_tenant {
-                fsync_dir(&self.datadir)?;
+                fsync_dir(&Fs::real(), &self.datadir);
             }
         }
         Timeline::open(&dir, self.node_id, self.no_sync)

@@ -1,9 +1,19 @@
 //! Seeded model test of the consensus core: a deterministic in-memory cluster of 3 acceptors
-//! (the real `SafeKeeper` over the in-memory fakes) and 2 competing proposers (a small but
-//! faithful model of walproposer), with random message interleaving, connection drops, acceptor
-//! power losses (un-synced WAL lost, the acceptor rebuilt from persisted state only),
-//! proposer crashes, and stale connections (an acceptor still reading messages a proposer sent
-//! on a connection it has already given up on). Every message goes through the real codec.
+//! (the real `SafeKeeper`) and 2 competing proposers (a small but faithful model of
+//! walproposer), with random message interleaving, connection drops, acceptor power losses
+//! (everything un-synced lost, the acceptor rebuilt from durable state only), proposer crashes,
+//! and stale connections (an acceptor still reading messages a proposer sent on a connection it
+//! has already given up on). Every message goes through the real codec, and the WAL is real
+//! PostgreSQL WAL from the generator, each record stamped with its term in `xl_xid`.
+//!
+//! Two storage backends:
+//! - `Mem`: the in-memory fakes of `storage::mem` (a power loss drops un-synced WAL writes;
+//!   control-file persists are atomic and durable). Fast: thousands of seeds.
+//! - `SimFs`: the real file stores (`storage::wal_file`, `storage::control_file`) on the
+//!   simulated file system `storage::fs::SimFs`, whose power loss also forgets directory
+//!   entries (new segments, renames of the control file) that no directory fsync made durable,
+//!   and keeps a random prefix of each file's and directory's un-synced operations. This is
+//!   the variant that catches a missing directory fsync.
 //!
 //! After every step the TLA+ invariants of neon's `ProposerAcceptorStatic.tla` are checked:
 //! election safety (one proposer elected per term), log monotonicity (each acceptor's WAL is
@@ -11,12 +21,15 @@
 //! committed bytes), and durability of commits (bytes a proposer saw committed stay present and
 //! identical on a quorum's durable WAL).
 //!
-//! Knobs: `MODEL_SEEDS=n` runs `n` seeds (default 3000 of 400 steps, and 20 of 3000 steps in
-//! the long variant) from `MODEL_SEED_START` (default 0), `MODEL_STEPS` sets the steps;
-//! `MODEL_SEED=s` replays one seed (test `model_replay_one_seed`) and `MODEL_TRACE=1` prints its
-//! events. A failure prints its seed.
+//! Knobs: `MODEL_SEEDS=n` runs `n` seeds per test (defaults: `Mem` 3000 of 400 steps and 20 of
+//! 3000 steps; `SimFs` 400 of 400 steps and 6 of 3000 steps) from `MODEL_SEED_START` (default
+//! 0), `MODEL_STEPS` sets the steps; `MODEL_SEED=s` replays one seed (test
+//! `model_replay_one_seed`, backend `MODEL_BACKEND=mem|simfs`, default mem) and `MODEL_TRACE=1`
+//! prints its events. A failure prints its seed and the command that replays it.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use rand::rngs::SmallRng;
@@ -28,26 +41,258 @@ use safekeeper::protocol::{
 };
 use safekeeper::safekeeper::{SafeKeeper, SafeKeeperError};
 use safekeeper::state::{Configuration, ServerInfo, TimelinePersistentState};
+use safekeeper::storage::control_file::FileControlStore;
+use safekeeper::storage::fs::{FileSystem, Fs, SimFs};
 use safekeeper::storage::mem::{MemControlStore, MemWalStore};
+use safekeeper::storage::wal_file::{WalFileOptions, WalFileStore};
+use safekeeper::storage::{ControlStore, WalStore};
 use safekeeper::types::{
     Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId,
 };
+use safekeeper::wal::format::page_header_size;
+use safekeeper::wal::{WalGenerator, WalStreamDecoder};
 
 const N_ACC: usize = 3;
 const N_PROP: usize = 2;
 const QUORUM: usize = N_ACC / 2 + 1;
-/// Where the timeline's WAL begins.
-const START: Lsn = Lsn(0x0100_0000);
-const SEG: u32 = 16 << 20;
-const DEFAULT_SEEDS: u64 = 3000;
 const STEPS: usize = 400;
-/// Seeds and steps of the long-schedule variant (deeper histories, bigger logs).
-const LONG_SEEDS: u64 = 20;
+/// Steps of the long-schedule variants (deeper histories, bigger logs).
 const LONG_STEPS: usize = 3000;
-/// Record layout: `u8 total_len`, `u64 term`, `u8 proposer`, `u64 seq`, filler.
-const RECORD_HEADER: usize = 18;
+/// Offset of `xl_xid` in `XLogRecord`: the record's term.
+const XID_OFFSET: usize = 4;
+const SYSTEM_ID: u64 = 0x5eed;
 
-type Sk = SafeKeeper<MemControlStore, MemWalStore>;
+type Sk<B> = SafeKeeper<<B as Backend>::Ctrl, <B as Backend>::Wal>;
+
+/// Where acceptors keep their state, and what a power loss does to it.
+trait Backend: Sized {
+    type Ctrl: ControlStore;
+    type Wal: WalStore;
+    const NAME: &'static str;
+    /// WAL segment size of the timeline.
+    const SEG: u32;
+    /// Where the timeline's WAL begins (a page boundary).
+    const START: Lsn;
+
+    fn new() -> Self;
+    /// A fresh acceptor with an empty timeline.
+    fn new_acceptor(&mut self, a: usize) -> Sk<Self>;
+    /// Loses everything `sk`'s storage has not made durable and rebuilds the acceptor from
+    /// what is left; returns it and a description of what was lost.
+    fn power_loss(&mut self, a: usize, sk: Sk<Self>, rng: &mut SmallRng) -> (Sk<Self>, String);
+    /// The acceptor's WAL `[start, end)` (below its flush LSN: durable), if held.
+    fn read(sk: &Sk<Self>, start: Lsn, end: Lsn) -> Option<Vec<u8>>;
+    /// Length of the message of the next record.
+    fn message_len(rng: &mut SmallRng) -> usize;
+    /// Backend-specific counts for the summary.
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
+}
+
+fn initial_state(seg: u32) -> TimelinePersistentState {
+    TimelinePersistentState::new(
+        tenant(),
+        timeline(),
+        Configuration::default(),
+        ServerInfo {
+            pg_version: 150000,
+            system_id: SYSTEM_ID,
+            wal_seg_size: seg,
+        },
+        0,
+    )
+}
+
+/// The in-memory fakes.
+struct Mem;
+
+impl Backend for Mem {
+    type Ctrl = MemControlStore;
+    type Wal = MemWalStore;
+    const NAME: &'static str = "mem";
+    const SEG: u32 = 16 << 20;
+    const START: Lsn = Lsn(0x0100_0000);
+
+    fn new() -> Mem {
+        Mem
+    }
+
+    fn new_acceptor(&mut self, a: usize) -> Sk<Mem> {
+        SafeKeeper::new(
+            NodeId(a as u64 + 1),
+            MemControlStore::new(initial_state(Self::SEG)),
+            MemWalStore::new(),
+        )
+        .expect("a fresh timeline starts")
+    }
+
+    fn power_loss(&mut self, a: usize, sk: Sk<Mem>, rng: &mut SmallRng) -> (Sk<Mem>, String) {
+        let (ctrl, mut wal) = sk.into_storage();
+        let keep = rng.random_range(0..=wal.unsynced_write_count());
+        wal.power_loss_keeping(keep);
+        let sk = SafeKeeper::new(NodeId(a as u64 + 1), ctrl, wal)
+            .unwrap_or_else(|e| panic!("acceptor a{a} cannot restart after power loss: {e}"));
+        (sk, format!("kept {keep} unsynced writes"))
+    }
+
+    fn read(sk: &Sk<Mem>, start: Lsn, end: Lsn) -> Option<Vec<u8>> {
+        sk.wal().read(start, end).map(<[u8]>::to_vec)
+    }
+
+    fn message_len(rng: &mut SmallRng) -> usize {
+        rng.random_range(0..=120)
+    }
+}
+
+/// The real file stores on a simulated file system per acceptor.
+struct SimFsBackend {
+    fs: Vec<Arc<SimFs>>,
+    /// Un-synced operations power losses forgot: file writes/size changes, directory entries.
+    file_ops_lost: u64,
+    dir_ops_lost: u64,
+}
+
+fn timeline_dir() -> PathBuf {
+    PathBuf::from("/sk/tenant/timeline")
+}
+
+fn open_file_stores(fs: &Arc<SimFs>, a: usize) -> Result<Sk<SimFsBackend>, String> {
+    let dir = timeline_dir();
+    let ctrl = FileControlStore::load_in(Fs::sim(fs.clone()), &dir, false)
+        .map_err(|e| format!("loading the control file: {e}"))?;
+    let opts = WalFileOptions {
+        system_id: SYSTEM_ID,
+        wal_start_lsn: ctrl.local_start_lsn,
+        fs: Fs::sim(fs.clone()),
+        ..WalFileOptions::default()
+    };
+    let wal = WalFileStore::open(&dir, SimFsBackend::SEG as u64, ctrl.commit_lsn, opts)
+        .map_err(|e| format!("opening the WAL: {e}"))?;
+    SafeKeeper::new(NodeId(a as u64 + 1), ctrl, wal).map_err(|e| e.to_string())
+}
+
+impl Backend for SimFsBackend {
+    type Ctrl = FileControlStore;
+    type Wal = WalFileStore;
+    const NAME: &'static str = "simfs";
+    /// The smallest segment PostgreSQL allows, so schedules cross segment boundaries.
+    const SEG: u32 = 1 << 20;
+    /// 32 KiB before a segment ends: the first segment starts mid-segment (its first pages are
+    /// written by `initialize_first_segment`) and most schedules cross into the next segment.
+    const START: Lsn = Lsn(0x0110_0000 - (32 << 10));
+
+    fn new() -> SimFsBackend {
+        SimFsBackend {
+            fs: (0..N_ACC).map(|_| SimFs::new()).collect(),
+            file_ops_lost: 0,
+            dir_ops_lost: 0,
+        }
+    }
+
+    fn new_acceptor(&mut self, a: usize) -> Sk<SimFsBackend> {
+        let fs = &self.fs[a];
+        fs.create_dir_all(&timeline_dir()).expect("simulated mkdir");
+        FileControlStore::create_new_in(
+            Fs::sim(fs.clone()),
+            timeline_dir(),
+            initial_state(Self::SEG),
+            false,
+        )
+        .expect("a fresh control file");
+        open_file_stores(fs, a).expect("a fresh timeline starts")
+    }
+
+    fn power_loss(
+        &mut self,
+        a: usize,
+        sk: Sk<SimFsBackend>,
+        rng: &mut SmallRng,
+    ) -> (Sk<SimFsBackend>, String) {
+        drop(sk.into_storage());
+        // Half the time the harshest outcome (nothing un-synced survives), otherwise a random
+        // prefix of each file's and directory's un-synced operations.
+        let harsh = rng.random_bool(0.5);
+        let report = self.fs[a].power_loss(&mut |n| {
+            if harsh { 0 } else { rng.random_range(0..=n) }
+        });
+        self.file_ops_lost += report.file_ops_lost as u64;
+        self.dir_ops_lost += report.dir_ops_lost as u64;
+        let sk = open_file_stores(&self.fs[a], a)
+            .unwrap_or_else(|e| panic!("acceptor a{a} cannot restart after power loss: {e}"));
+        (sk, format!("{report:?}"))
+    }
+
+    fn read(sk: &Sk<SimFsBackend>, start: Lsn, end: Lsn) -> Option<Vec<u8>> {
+        let mut out = vec![0; (end.0 - start.0) as usize];
+        sk.wal()
+            .reader()
+            .read_into(start, &mut out)
+            .ok()
+            .map(|()| out)
+    }
+
+    fn message_len(rng: &mut SmallRng) -> usize {
+        // Mostly small records; some large ones cross pages and segments.
+        if rng.random_bool(0.08) {
+            rng.random_range(8 << 10..=100 << 10)
+        } else {
+            rng.random_range(0..=400)
+        }
+    }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let (fsyncs, dir_fsyncs) = self
+            .fs
+            .iter()
+            .map(|fs| fs.sync_counts())
+            .fold((0, 0), |(a, b), (c, d)| (a + c, b + d));
+        vec![
+            ("file_fsyncs", fsyncs),
+            ("dir_fsyncs", dir_fsyncs),
+            ("file_ops_lost", self.file_ops_lost),
+            ("dir_ops_lost", self.dir_ops_lost),
+        ]
+    }
+}
+
+/// Start of the record that follows a record ending at `end` (the next record's header comes
+/// after the page header when `end` is a page boundary).
+fn next_record_start(end: Lsn, seg: u32) -> Lsn {
+    if end.page_offset() == 0 {
+        Lsn(end.0 + page_header_size(end, seg as u64) as u64)
+    } else {
+        end
+    }
+}
+
+/// `(start, end)` of every record of `wal` (WAL beginning at `wal_start`); panics naming `who`
+/// if it does not decode to its end.
+fn records(wal: &[u8], wal_start: Lsn, seg: u32, who: &str) -> Vec<(Lsn, Lsn)> {
+    let mut out = Vec::new();
+    let mut start = next_record_start(wal_start, seg);
+    let mut decoder = WalStreamDecoder::new(wal_start, seg as u64);
+    decoder
+        .feed_with(wal, |end| {
+            out.push((start, end));
+            start = next_record_start(end, seg);
+        })
+        .unwrap_or_else(|e| panic!("{who}: WAL does not decode: {e}"));
+    let end = Lsn(wal_start.0 + wal.len() as u64);
+    assert_eq!(
+        decoder.last_record_end(),
+        end,
+        "{who}: WAL ends in the middle of a record"
+    );
+    out
+}
+
+/// The term of the record at `start` of `wal` (WAL beginning at `wal_start`): stamped in its
+/// `xl_xid`.
+fn record_term(wal: &[u8], wal_start: Lsn, start: Lsn) -> Term {
+    let off = (start.0 - wal_start.0) as usize + XID_OFFSET;
+    Term(u32::from_le_bytes(wal[off..off + 4].try_into().expect("4 bytes")) as u64)
+}
 
 fn tenant() -> TenantId {
     TenantId([0x11; 16])
@@ -107,17 +352,23 @@ struct Proposer {
     views: Vec<AccView>,
     history: TermHistory,
     term_start: Lsn,
-    /// WAL bytes `[START, START + log.len())`. Invariant (checked): every byte below `commit`
+    /// Where the timeline's WAL begins.
+    start: Lsn,
+    /// WAL bytes `[start, start + log.len())`. Invariant (checked): every byte below `commit`
     /// is globally committed.
     log: Vec<u8>,
+    /// End of every record of `log`, ascending (appends are cut at record boundaries).
+    rec_ends: Vec<Lsn>,
+    /// Generates this term's records, continuing the `xl_prev` chain of `log`.
+    wal_gen: Option<WalGenerator>,
     commit: Lsn,
     truncate_lsn: Lsn,
-    seq: u64,
 }
 
 impl Proposer {
-    fn new() -> Proposer {
+    fn new(start: Lsn) -> Proposer {
         Proposer {
+            start,
             incarnation: 0,
             phase: Phase::Idle,
             term: Term(0),
@@ -125,14 +376,15 @@ impl Proposer {
             history: TermHistory::empty(),
             term_start: Lsn(0),
             log: Vec::new(),
+            rec_ends: Vec::new(),
+            wal_gen: None,
             commit: Lsn(0),
             truncate_lsn: Lsn(0),
-            seq: 0,
         }
     }
 
     fn log_end(&self) -> Lsn {
-        Lsn(START.0 + self.log.len() as u64)
+        Lsn(self.start.0 + self.log.len() as u64)
     }
 
     fn greetings(&self) -> usize {
@@ -149,12 +401,14 @@ struct Stats {
     committed_bytes: u64,
     stale_delivered: u64,
     acceptor_errors: BTreeMap<String, u64>,
+    backend: BTreeMap<&'static str, u64>,
 }
 
-struct Cluster {
+struct Cluster<B: Backend> {
     rng: SmallRng,
     trace: bool,
-    acceptors: Vec<Option<Sk>>,
+    backend: B,
+    acceptors: Vec<Option<Sk<B>>>,
     proposers: Vec<Proposer>,
     /// `conns[p][a]`.
     conns: Vec<Vec<Conn>>,
@@ -164,7 +418,7 @@ struct Cluster {
     zombies: Vec<(usize, usize, VecDeque<Bytes>)>,
     /// term → (proposer, incarnation) elected in it.
     elected: BTreeMap<Term, (usize, u64)>,
-    /// The longest committed prefix any proposer observed: bytes `[START, START + len)`.
+    /// The longest committed prefix any proposer observed: bytes `[B::START, B::START + len)`.
     committed: Vec<u8>,
     /// Highest commit LSN observed by the proposer of each term.
     commit_by_term: BTreeMap<Term, Lsn>,
@@ -178,39 +432,33 @@ struct Cluster {
     /// Probability that a step is a fault (drop, power loss, timeout, crash); per seed, so
     /// some schedules are calm and long-running and others stormy.
     fault_rate: f64,
+    /// Per acceptor: how far its durable WAL's terms were checked.
+    log_check: Vec<Option<LogCheck>>,
     stats: Stats,
 }
 
-fn new_acceptor(id: usize) -> Sk {
-    let state = TimelinePersistentState::new(
-        tenant(),
-        timeline(),
-        Configuration::default(),
-        ServerInfo {
-            pg_version: 150000,
-            system_id: 0,
-            wal_seg_size: SEG,
-        },
-        0,
-    );
-    SafeKeeper::new(
-        NodeId(id as u64 + 1),
-        MemControlStore::new(state),
-        MemWalStore::new(),
-    )
-    .expect("a fresh timeline starts")
+/// A checked prefix of an acceptor's durable WAL and the decoder positioned after it.
+struct LogCheck {
+    bytes: Vec<u8>,
+    hist: TermHistory,
+    decoder: WalStreamDecoder,
+    /// Start of the next record.
+    next_start: Lsn,
+    last_term: Term,
 }
 
-impl Cluster {
-    fn new(seed: u64, trace: bool) -> Cluster {
+impl<B: Backend> Cluster<B> {
+    fn new(seed: u64, trace: bool) -> Cluster<B> {
         let mut rng = SmallRng::seed_from_u64(seed);
         let fault_rate = [0.005, 0.02, 0.06, 0.15][rng.random_range(0..4)];
+        let mut backend = B::new();
         Cluster {
             rng,
             fault_rate,
             trace,
-            acceptors: (0..N_ACC).map(|a| Some(new_acceptor(a))).collect(),
-            proposers: (0..N_PROP).map(|_| Proposer::new()).collect(),
+            acceptors: (0..N_ACC).map(|a| Some(backend.new_acceptor(a))).collect(),
+            backend,
+            proposers: (0..N_PROP).map(|_| Proposer::new(B::START)).collect(),
             conns: (0..N_PROP)
                 .map(|_| (0..N_ACC).map(|_| Conn::default()).collect())
                 .collect(),
@@ -222,6 +470,7 @@ impl Cluster {
             acc_commit_seen: vec![Lsn(0); N_ACC],
             acc_flush_revealed: vec![Lsn(0); N_ACC],
             acc_commit_revealed: vec![Lsn(0); N_ACC],
+            log_check: (0..N_ACC).map(|_| None).collect(),
             stats: Stats::default(),
         }
     }
@@ -232,13 +481,13 @@ impl Cluster {
         }
     }
 
-    fn sk(&self, a: usize) -> &Sk {
+    fn sk(&self, a: usize) -> &Sk<B> {
         self.acceptors[a]
             .as_ref()
             .expect("acceptor present between steps")
     }
 
-    fn sk_mut(&mut self, a: usize) -> &mut Sk {
+    fn sk_mut(&mut self, a: usize) -> &mut Sk<B> {
         self.acceptors[a]
             .as_mut()
             .expect("acceptor present between steps")
@@ -286,8 +535,8 @@ impl Cluster {
             timeline_id: timeline(),
             mconf: Configuration::default(),
             pg_version: 150000,
-            system_id: 0x5eed,
-            wal_seg_size: SEG,
+            system_id: SYSTEM_ID,
+            wal_seg_size: B::SEG,
         };
         self.send(p, a, ProposerAcceptorMessage::Greeting(greeting));
     }
@@ -415,15 +664,11 @@ impl Cluster {
         }
         self.zombies.retain(|(_, za, _)| *za != a);
         let sk = self.acceptors[a].take().expect("acceptor present");
-        let (ctrl, mut wal) = sk.into_storage();
-        let keep = self.rng.random_range(0..=wal.unsynced_write_count());
-        wal.power_loss_keeping(keep);
+        let (sk, what) = self.backend.power_loss(a, sk, &mut self.rng);
         self.stats.power_losses += 1;
-        let sk = SafeKeeper::new(NodeId(a as u64 + 1), ctrl, wal)
-            .unwrap_or_else(|e| panic!("acceptor a{a} cannot restart after power loss: {e}"));
         self.log(|| {
             format!(
-                "power loss a{a} (kept {keep} unsynced writes): flush {} commit {}",
+                "power loss a{a} ({what}): flush {} commit {}",
                 sk.flush_lsn(),
                 sk.commit_lsn()
             )
@@ -454,7 +699,7 @@ impl Cluster {
     fn crash_proposer(&mut self, p: usize) {
         self.step_down(p, "crash");
         let inc = self.proposers[p].incarnation + 1;
-        self.proposers[p] = Proposer::new();
+        self.proposers[p] = Proposer::new(B::START);
         self.proposers[p].incarnation = inc;
     }
 
@@ -569,9 +814,9 @@ impl Cluster {
             self.step_down(p, &format!("donor a{donor} changed before recovery"));
             return;
         }
-        let log = if dv.flush_lsn > START {
-            match d.wal().read(START, dv.flush_lsn) {
-                Some(bytes) => bytes.to_vec(),
+        let log = if dv.flush_lsn > B::START {
+            match B::read(d, B::START, dv.flush_lsn) {
+                Some(bytes) => bytes,
                 None => {
                     self.step_down(p, &format!("donor a{donor} lost WAL before recovery"));
                     return;
@@ -580,7 +825,7 @@ impl Cluster {
         } else {
             Vec::new()
         };
-        let term_start = Lsn(START.0 + log.len() as u64);
+        let term_start = Lsn(B::START.0 + log.len() as u64);
         let mut history = dv.term_history.clone();
         history.0.push(TermLsn {
             term,
@@ -596,11 +841,19 @@ impl Cluster {
         self.stats.elections += 1;
         self.log(|| format!("p{p} elected in term {term}, donor a{donor}, start {term_start}"));
 
+        // Continue the donor's xl_prev chain; stamp this term's records with the term.
+        let rec = records(&log, B::START, B::SEG, &format!("donor a{donor}"));
+        let mut wal_gen = WalGenerator::new(SYSTEM_ID, B::SEG as u64, term_start)
+            .expect("a record end is a record boundary")
+            .with_prev(rec.last().map_or(Lsn(0), |r| r.0));
+        wal_gen.set_xid(u32::try_from(term.0).expect("model terms stay small"));
         let prop = &mut self.proposers[p];
         prop.phase = Phase::Elected;
         prop.history = history;
         prop.term_start = term_start;
         prop.log = log;
+        prop.rec_ends = rec.iter().map(|r| r.1).collect();
+        prop.wal_gen = Some(wal_gen);
         prop.commit = Lsn(0);
         prop.truncate_lsn = truncate_lsn;
         for v in prop.views.iter_mut() {
@@ -615,7 +868,7 @@ impl Cluster {
             .map(|(_, &lsn)| lsn)
             .max()
             .unwrap_or(Lsn(0));
-        let required_len = (required.0.saturating_sub(START.0)) as usize;
+        let required_len = (required.0.saturating_sub(B::START.0)) as usize;
         let log = &self.proposers[p].log;
         assert!(
             log.len() >= required_len,
@@ -646,7 +899,7 @@ impl Cluster {
                 .map(|tl| tl.lsn)
                 .unwrap_or(prop.history.0[0].lsn);
         assert!(
-            start >= START && start <= prop.log_end(),
+            start >= B::START && start <= prop.log_end(),
             "start_streaming_at {start} outside the proposer's log"
         );
         let msg = ProposerElected {
@@ -663,17 +916,39 @@ impl Cluster {
     }
 
     /// Sends everything from the acceptor's next LSN to the end of the log (may be empty: a
-    /// heartbeat carrying the commit LSN).
+    /// heartbeat carrying the commit LSN), in appends of at most `MAX_SEND_SIZE` bytes cut at
+    /// record boundaries (the in-memory WAL fake needs whole records).
     fn stream(&mut self, p: usize, a: usize) {
-        let prop = &self.proposers[p];
-        let view = &prop.views[a];
-        if !view.elected_sent || !self.conns[p][a].up {
-            return;
+        loop {
+            let prop = &self.proposers[p];
+            let view = &prop.views[a];
+            if !view.elected_sent || !self.conns[p][a].up {
+                return;
+            }
+            let begin = view.next_lsn;
+            let limit = Lsn(begin.0 + safekeeper::protocol::MAX_SEND_SIZE as u64);
+            let end = if prop.log_end() <= limit {
+                prop.log_end()
+            } else {
+                let i = prop.rec_ends.partition_point(|&e| e <= limit);
+                assert!(
+                    i > 0 && prop.rec_ends[i - 1] > begin,
+                    "a record larger than an append"
+                );
+                prop.rec_ends[i - 1]
+            };
+            self.send_append(p, a, begin, end);
+            if end == self.proposers[p].log_end() {
+                return;
+            }
         }
-        let begin = view.next_lsn;
-        let end = prop.log_end();
-        let data = Bytes::copy_from_slice(&prop.log[(begin.0 - START.0) as usize..]);
-        assert!(data.len() <= safekeeper::protocol::MAX_SEND_SIZE);
+    }
+
+    fn send_append(&mut self, p: usize, a: usize, begin: Lsn, end: Lsn) {
+        let prop = &self.proposers[p];
+        let data = Bytes::copy_from_slice(
+            &prop.log[(begin.0 - B::START.0) as usize..(end.0 - B::START.0) as usize],
+        );
         let msg = AppendRequest {
             h: AppendRequestHeader {
                 generation: Generation(0),
@@ -690,18 +965,17 @@ impl Cluster {
     }
 
     fn append_record(&mut self, p: usize) {
-        let len = self.rng.random_range(RECORD_HEADER..=60);
+        let len = B::message_len(&mut self.rng);
+        let mut message = vec![p as u8; len];
+        self.rng.fill(&mut message[..]);
         let prop = &mut self.proposers[p];
-        prop.seq += 1;
-        let mut rec = Vec::with_capacity(len);
-        rec.push(len as u8);
-        rec.extend_from_slice(&prop.term.0.to_be_bytes());
-        rec.push(p as u8);
-        rec.extend_from_slice(&prop.seq.to_be_bytes());
-        while rec.len() < len {
-            rec.push(self.rng.random());
-        }
-        prop.log.extend_from_slice(&rec);
+        let wal_gen = prop
+            .wal_gen
+            .as_mut()
+            .expect("an elected proposer generates WAL");
+        let pos = wal_gen.append_logical_message(&mut prop.log, &message);
+        assert_eq!(pos.end, prop.log_end(), "generator and log agree");
+        prop.rec_ends.push(pos.end);
         for a in 0..N_ACC {
             self.stream(p, a);
         }
@@ -734,7 +1008,7 @@ impl Cluster {
             .truncate_lsn
             .max(flushes[0].min(candidate))
             .min(candidate);
-        let upto = (candidate.0 - START.0) as usize;
+        let upto = (candidate.0 - B::START.0) as usize;
         let term = prop.term;
         let by_term = self.commit_by_term.entry(term).or_default();
         *by_term = (*by_term).max(candidate);
@@ -755,7 +1029,7 @@ impl Cluster {
     // ----- invariants ---------------------------------------------------------------------
 
     fn check(&mut self) {
-        let committed_end = Lsn(START.0 + self.committed.len() as u64);
+        let committed_end = Lsn(B::START.0 + self.committed.len() as u64);
         let mut holders = 0;
         for a in 0..N_ACC {
             let sk = self.acceptors[a]
@@ -793,41 +1067,18 @@ impl Cluster {
                 "a{a}: commit {commit} beyond anything a proposer committed ({committed_end})"
             );
 
-            // Log monotonicity: records in the durable WAL carry non-decreasing terms, each
-            // the term its history says wrote that LSN.
-            let wal = sk.wal();
-            let durable = if flush > START {
-                wal.read(START, flush)
-                    .unwrap_or_else(|| panic!("a{a}: durable WAL [{START}, {flush}) not held"))
+            // Log monotonicity: the durable WAL decodes to its end, and its records carry
+            // non-decreasing terms, each the term its history says wrote that LSN.
+            let durable = if flush > B::START {
+                B::read(sk, B::START, flush)
+                    .unwrap_or_else(|| panic!("a{a}: durable WAL [{}, {flush}) not held", B::START))
             } else {
-                &[]
+                Vec::new()
             };
-            let mut off = 0usize;
-            let mut last_term = Term(0);
-            while off < durable.len() {
-                let len = durable[off] as usize;
-                assert!(
-                    len >= RECORD_HEADER && off + len <= durable.len(),
-                    "a{a}: torn or garbage record at {}",
-                    Lsn(START.0 + off as u64)
-                );
-                let rec_term = Term(u64::from_be_bytes(
-                    durable[off + 1..off + 9].try_into().expect("8 bytes"),
-                ));
-                let lsn = Lsn(START.0 + off as u64);
-                let by_history = hist.0.iter().rev().find(|e| e.lsn <= lsn).map(|e| e.term);
-                assert_eq!(
-                    by_history,
-                    Some(rec_term),
-                    "a{a}: record at {lsn} has term {rec_term}, history {hist:?}"
-                );
-                assert!(rec_term >= last_term, "a{a}: log terms decrease at {lsn}");
-                last_term = rec_term;
-                off += len;
-            }
+            self.check_log_terms(a, &durable);
 
             // Log safety against everything committed.
-            let upto = (commit.0.saturating_sub(START.0)) as usize;
+            let upto = (commit.0.saturating_sub(B::START.0)) as usize;
             assert_eq!(
                 durable[..upto],
                 self.committed[..upto],
@@ -843,10 +1094,10 @@ impl Cluster {
         for a in 0..N_ACC {
             for b in a + 1..N_ACC {
                 let c = self.sk(a).commit_lsn().min(self.sk(b).commit_lsn());
-                if c > START {
+                if c > B::START {
                     assert_eq!(
-                        self.sk(a).wal().read(START, c),
-                        self.sk(b).wal().read(START, c),
+                        B::read(self.sk(a), B::START, c),
+                        B::read(self.sk(b), B::START, c),
                         "a{a} and a{b} disagree below their commit {c}"
                     );
                 }
@@ -856,6 +1107,47 @@ impl Cluster {
             holders >= QUORUM,
             "committed WAL up to {committed_end} is durable on only {holders} acceptors"
         );
+    }
+
+    /// Checks the terms of the records of acceptor `a`'s durable WAL against its history,
+    /// decoding only what was not checked before (the check runs after every step).
+    fn check_log_terms(&mut self, a: usize, durable: &[u8]) {
+        let hist = self.sk(a).get_term_history();
+        let cached = self.log_check[a]
+            .take()
+            .filter(|c| c.hist == hist && durable.starts_with(&c.bytes));
+        let mut c = cached.unwrap_or_else(|| LogCheck {
+            bytes: Vec::new(),
+            hist: hist.clone(),
+            decoder: WalStreamDecoder::new(B::START, B::SEG as u64),
+            next_start: next_record_start(B::START, B::SEG),
+            last_term: Term(0),
+        });
+        let from = c.bytes.len();
+        let mut ends = Vec::new();
+        c.decoder
+            .feed_with(&durable[from..], |end| ends.push(end))
+            .unwrap_or_else(|e| panic!("a{a}: durable WAL does not decode: {e}"));
+        assert_eq!(
+            c.decoder.last_record_end(),
+            Lsn(B::START.0 + durable.len() as u64),
+            "a{a}: durable WAL ends in the middle of a record"
+        );
+        for end in ends {
+            let lsn = c.next_start;
+            let rec_term = record_term(durable, B::START, lsn);
+            let by_history = hist.0.iter().rev().find(|e| e.lsn <= lsn).map(|e| e.term);
+            assert_eq!(
+                by_history,
+                Some(rec_term),
+                "a{a}: record at {lsn} has term {rec_term}, history {hist:?}"
+            );
+            assert!(rec_term >= c.last_term, "a{a}: log terms decrease at {lsn}");
+            c.last_term = rec_term;
+            c.next_start = next_record_start(end, B::SEG);
+        }
+        c.bytes.extend_from_slice(&durable[from..]);
+        self.log_check[a] = Some(c);
     }
 
     // ----- the schedule -------------------------------------------------------------------
@@ -963,23 +1255,25 @@ fn describe_pa(msg: &ProposerAcceptorMessage) -> String {
 }
 
 /// Runs one seed; returns its stats. Panics (with the seed) on an invariant violation.
-fn run_seed(seed: u64, steps: usize, trace: bool) -> Stats {
+fn run_seed<B: Backend>(seed: u64, steps: usize, trace: bool) -> Stats {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let mut c = Cluster::new(seed, trace);
+        let mut c = Cluster::<B>::new(seed, trace);
         for _ in 0..steps {
             c.step();
             c.check();
         }
         c.stats.committed_bytes = c.committed.len() as u64;
+        c.stats.backend = c.backend.counters().into_iter().collect();
         c.stats
     }));
     match result {
         Ok(stats) => stats,
         Err(e) => {
             eprintln!(
-                "model test failed for seed {seed} ({steps} steps); replay with MODEL_SEED={seed} \
-                 MODEL_STEPS={steps} MODEL_TRACE=1 cargo test -p safekeeper --test model \
-                 model_replay_one_seed -- --nocapture"
+                "model test ({backend}) failed for seed {seed} ({steps} steps); replay with \
+                 MODEL_BACKEND={backend} MODEL_SEED={seed} MODEL_STEPS={steps} MODEL_TRACE=1 \
+                 cargo test -p safekeeper --test model model_replay_one_seed -- --nocapture",
+                backend = B::NAME,
             );
             std::panic::resume_unwind(e)
         }
@@ -992,23 +1286,36 @@ fn env_u64(name: &str) -> Option<u64> {
 
 #[test]
 fn model_random_schedules_keep_consensus_invariants() {
-    run_many(DEFAULT_SEEDS, STEPS);
+    run_many::<Mem>(3000, STEPS);
 }
 
 /// Fewer, much longer schedules: many elections and power losses within one history.
 #[test]
 fn model_long_schedules_keep_consensus_invariants() {
-    run_many(LONG_SEEDS, LONG_STEPS);
+    run_many::<Mem>(20, LONG_STEPS);
 }
 
-fn run_many(default_seeds: u64, default_steps: usize) {
+/// The real file stores on a file system that forgets un-synced data *and* un-synced directory
+/// entries on power loss (durability promise 1: an acknowledged flush LSN, vote or commit is on
+/// disk; promise 2: nothing acknowledged is lost).
+#[test]
+fn model_file_stores_on_simulated_fs_survive_power_loss() {
+    run_many::<SimFsBackend>(400, STEPS);
+}
+
+#[test]
+fn model_file_stores_long_schedules_survive_power_loss() {
+    run_many::<SimFsBackend>(6, LONG_STEPS);
+}
+
+fn run_many<B: Backend>(default_seeds: u64, default_steps: usize) {
     let seeds = env_u64("MODEL_SEEDS").unwrap_or(default_seeds);
     let first = env_u64("MODEL_SEED_START").unwrap_or(0);
     let steps = env_u64("MODEL_STEPS").map_or(default_steps, |s| s as usize);
     let mut total = Stats::default();
     let mut seeds_with_commits = 0;
     for seed in first..first + seeds {
-        let s = run_seed(seed, steps, false);
+        let s = run_seed::<B>(seed, steps, false);
         if s.commits_observed > 0 {
             seeds_with_commits += 1;
         }
@@ -1021,9 +1328,13 @@ fn run_many(default_seeds: u64, default_steps: usize) {
         for (k, v) in s.acceptor_errors {
             *total.acceptor_errors.entry(k).or_default() += v;
         }
+        for (k, v) in s.backend {
+            *total.backend.entry(k).or_default() += v;
+        }
     }
     eprintln!(
-        "model: {seeds} seeds x {steps} steps, {seeds_with_commits} seeds committed: {total:?}"
+        "model ({}): {seeds} seeds x {steps} steps, {seeds_with_commits} seeds committed: {total:?}",
+        B::NAME
     );
     // The schedule must exercise the protocol, not idle: most seeds elect and commit.
     assert!(
@@ -1041,6 +1352,10 @@ fn model_replay_one_seed() {
     };
     let trace = std::env::var("MODEL_TRACE").is_ok_and(|v| v != "0");
     let steps = env_u64("MODEL_STEPS").map_or(STEPS, |s| s as usize);
-    let stats = run_seed(seed, steps, trace);
+    let stats = match std::env::var("MODEL_BACKEND").as_deref() {
+        Ok("simfs") => run_seed::<SimFsBackend>(seed, steps, trace),
+        Ok("mem") | Err(_) => run_seed::<Mem>(seed, steps, trace),
+        Ok(other) => panic!("MODEL_BACKEND={other}: expected mem or simfs"),
+    };
     eprintln!("seed {seed}: {stats:?}");
 }

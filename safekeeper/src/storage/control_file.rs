@@ -14,12 +14,11 @@
 //! Not here: when to persist (the consensus core decides), in-memory overlays of LSNs, and
 //! timeline directory creation.
 
-use std::fs::File;
-use std::io::{Read, Write};
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 
 use super::durable::{SyncKind, durable_rename, fsync_or_abort};
+use super::fs::{Fs, OpenMode, read_full_at};
 use super::{ControlStore, Error, Result};
 use crate::state::{
     AcceptorState, Configuration, SafekeeperId, ServerInfo, TimelinePersistentState,
@@ -254,6 +253,7 @@ fn decode_body(body: &[u8]) -> std::result::Result<TimelinePersistentState, Stri
 /// successful, durable persist).
 #[derive(Debug)]
 pub struct FileControlStore {
+    fs: Fs,
     dir: PathBuf,
     state: TimelinePersistentState,
     /// Skip fsyncs (tests only).
@@ -268,16 +268,27 @@ impl FileControlStore {
         state: TimelinePersistentState,
         no_sync: bool,
     ) -> Result<FileControlStore> {
+        FileControlStore::create_new_in(Fs::real(), dir, state, no_sync)
+    }
+
+    /// [`FileControlStore::create_new`] on file system `fs`.
+    pub fn create_new_in(
+        fs: Fs,
+        dir: impl Into<PathBuf>,
+        state: TimelinePersistentState,
+        no_sync: bool,
+    ) -> Result<FileControlStore> {
         let dir = dir.into();
         let path = dir.join(CONTROL_FILE_NAME);
-        if path.exists() {
+        if fs.exists(&path) {
             return Err(Error::Rejected(format!(
                 "control file {} already exists",
                 path.display()
             )));
         }
-        write_durably(&dir, &state, no_sync)?;
+        write_durably(&fs, &dir, &state, no_sync)?;
         Ok(FileControlStore {
+            fs,
             dir,
             state,
             no_sync,
@@ -286,14 +297,20 @@ impl FileControlStore {
 
     /// Loads and verifies the control file in `dir`.
     pub fn load(dir: impl Into<PathBuf>, no_sync: bool) -> Result<FileControlStore> {
+        FileControlStore::load_in(Fs::real(), dir, no_sync)
+    }
+
+    /// [`FileControlStore::load`] on file system `fs`.
+    pub fn load_in(fs: Fs, dir: impl Into<PathBuf>, no_sync: bool) -> Result<FileControlStore> {
         let dir = dir.into();
         let path = dir.join(CONTROL_FILE_NAME);
-        let f =
-            File::open(&path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        let mut bytes = Vec::new();
-        f.take(MAX_CONTROL_FILE_SIZE + 1)
-            .read_to_end(&mut bytes)
+        let f = fs
+            .open(&path, OpenMode::Read)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let mut bytes = vec![0; MAX_CONTROL_FILE_SIZE as usize + 1];
+        let n = read_full_at(&*f, &mut bytes, 0)
             .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        bytes.truncate(n);
         if bytes.len() as u64 > MAX_CONTROL_FILE_SIZE {
             return Err(Error::Corruption {
                 file: path.display().to_string(),
@@ -302,6 +319,7 @@ impl FileControlStore {
         }
         let state = decode(&bytes, &path)?;
         Ok(FileControlStore {
+            fs,
             dir,
             state,
             no_sync,
@@ -315,21 +333,27 @@ impl FileControlStore {
 }
 
 /// Writes `state` to the temporary file, syncs it and renames it over the control file durably.
-fn write_durably(dir: &Path, state: &TimelinePersistentState, no_sync: bool) -> Result<()> {
+fn write_durably(
+    fs: &Fs,
+    dir: &Path,
+    state: &TimelinePersistentState,
+    no_sync: bool,
+) -> Result<()> {
     let tmp = dir.join(CONTROL_FILE_TMP_NAME);
     let path = dir.join(CONTROL_FILE_NAME);
     let bytes = encode(state);
-    let mut f =
-        File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
-    f.write_all(&bytes)
+    let f = fs
+        .open(&tmp, OpenMode::CreateTruncate)
+        .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+    f.write_all_at(&bytes, 0)
         .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
     if !no_sync {
         // The new state is durable under the temporary name before it replaces the old one.
-        fsync_or_abort(&f, &tmp, SyncKind::All);
+        fsync_or_abort(&*f, &tmp, SyncKind::All);
     }
     drop(f);
     // The rename is durable (directory fsynced) before persist returns.
-    durable_rename(&tmp, &path, dir, no_sync)
+    durable_rename(fs, &tmp, &path, dir, no_sync)
 }
 
 impl Deref for FileControlStore {
@@ -342,7 +366,7 @@ impl Deref for FileControlStore {
 
 impl ControlStore for FileControlStore {
     fn persist(&mut self, state: &TimelinePersistentState) -> Result<()> {
-        write_durably(&self.dir, state, self.no_sync)?;
+        write_durably(&self.fs, &self.dir, state, self.no_sync)?;
         self.state = state.clone();
         Ok(())
     }
@@ -491,6 +515,28 @@ mod tests {
             let crc = crc32c::crc32c(&b);
             b.extend_from_slice(&crc.to_le_bytes());
             let _ = decode(&b, Path::new("x"));
+        }
+    }
+
+    /// Promise 1 for votes: a persisted state survives a power loss that forgets every
+    /// un-synced directory entry (the rename over the control file is followed by a directory
+    /// fsync); without that fsync the old state comes back.
+    #[test]
+    fn persisted_state_survives_power_loss_that_forgets_unsynced_renames() {
+        use crate::storage::fs::{FileSystem, SimFs};
+        let sim = SimFs::new();
+        let dir = Path::new("/tl");
+        sim.create_dir_all(dir).unwrap();
+        let fs = Fs::sim(sim.clone());
+        let mut store = FileControlStore::create_new_in(fs.clone(), dir, sample(), false).unwrap();
+        for term in 8..12 {
+            let mut s = sample();
+            s.acceptor_state.term = Term(term);
+            store.persist(&s).unwrap();
+            sim.power_loss(&mut |_| 0);
+            let loaded = FileControlStore::load_in(fs.clone(), dir, false).unwrap();
+            assert_eq!(loaded.acceptor_state.term, Term(term));
+            assert!(!fs.exists(&dir.join(CONTROL_FILE_TMP_NAME)));
         }
     }
 }

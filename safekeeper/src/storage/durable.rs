@@ -7,8 +7,9 @@
 //! fsync in this crate goes through [`fsync_or_abort`]. A full disk on `write`/`set_len` is not
 //! fatal: callers map it to [`super::Error::NoSpace`] with [`super::Error::io`].
 
-use std::fs::File;
 use std::path::Path;
+
+use super::fs::{FileHandle, Fs};
 
 /// What to make durable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,14 +23,15 @@ pub enum SyncKind {
 
 /// Syncs `file` (named `path` in the log) or aborts the process: the one place a failed fsync
 /// is handled.
-pub fn fsync_or_abort(file: &File, path: &Path, kind: SyncKind) {
+pub fn fsync_or_abort(file: &dyn FileHandle, path: &Path, kind: SyncKind) {
+    check_or_abort(file.sync(kind), path);
+}
+
+fn check_or_abort(res: std::io::Result<()>, path: &Path) {
     let res = if crate::failpoint::active("wal-fsync-error") {
         Err(std::io::Error::from_raw_os_error(libc::EIO))
     } else {
-        match kind {
-            SyncKind::Data => file.sync_data(),
-            SyncKind::All => file.sync_all(),
-        }
+        res
     };
     if let Err(e) = res {
         tracing::error!(path = %path.display(), error = %e, "fsync failed: aborting (a retried fsync can falsely succeed)");
@@ -38,25 +40,28 @@ pub fn fsync_or_abort(file: &File, path: &Path, kind: SyncKind) {
     }
 }
 
-/// Makes the entries of directory `dir` (creations, renames, deletions) durable.
-pub fn fsync_dir(dir: &Path) -> super::Result<()> {
-    let f = File::open(dir)
-        .map_err(|e| super::Error::io(format!("opening directory {}", dir.display()), e))?;
-    fsync_or_abort(&f, dir, SyncKind::All);
-    Ok(())
+/// Makes the entries of directory `dir` (creations, renames, deletions) durable, or aborts.
+pub fn fsync_dir(fs: &Fs, dir: &Path) {
+    check_or_abort(fs.sync_dir(dir), dir);
 }
 
 /// Renames `from` to `to` (both in `dir`) and, unless `no_sync`, makes the rename durable by
 /// syncing the directory. The caller has made the file's content durable before.
-pub fn durable_rename(from: &Path, to: &Path, dir: &Path, no_sync: bool) -> super::Result<()> {
-    std::fs::rename(from, to).map_err(|e| {
+pub fn durable_rename(
+    fs: &Fs,
+    from: &Path,
+    to: &Path,
+    dir: &Path,
+    no_sync: bool,
+) -> super::Result<()> {
+    fs.rename(from, to).map_err(|e| {
         super::Error::io(
             format!("renaming {} to {}", from.display(), to.display()),
             e,
         )
     })?;
     if !no_sync {
-        fsync_dir(dir)?;
+        fsync_dir(fs, dir);
     }
     Ok(())
 }

@@ -13,6 +13,7 @@
 
 pub mod control_file;
 pub mod durable;
+pub mod fs;
 pub mod mem;
 pub mod wal_file;
 

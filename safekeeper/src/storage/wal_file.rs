@@ -18,11 +18,10 @@
 //! `WalAcceptor`), the control file ([`super::control_file`]), or which segments may be removed
 //! (the caller passes the horizon to [`WalFileStore::remove_segments_up_to`]).
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::durable::{SyncKind, durable_rename, fsync_dir, fsync_or_abort};
+use super::fs::{FileHandle, Fs, OpenMode, read_full_at};
 use super::{Error, Result, WalStore};
 use crate::types::Lsn;
 use crate::wal::WalStreamDecoder;
@@ -57,6 +56,8 @@ pub struct WalFileOptions {
     /// allocated blocks, so their `fdatasync` needs no block allocation (see the
     /// `write_flush` bench for the trade-off on a given filesystem).
     pub zero_fill: bool,
+    /// The file system the segments live on (the real one by default).
+    pub fs: Fs,
 }
 
 /// Path of segment `segno` in `dir`, plain or `.partial`.
@@ -70,10 +71,17 @@ pub fn segment_path(dir: &Path, segno: u64, seg_size: u64, partial: bool) -> Pat
 
 /// Opens segment `segno` for reading and writing, `.partial` first, then the plain name.
 /// Returns the file and whether it is the `.partial` one; `None` if neither exists.
-fn open_segment(dir: &Path, segno: u64, seg_size: u64) -> Result<Option<(File, PathBuf, bool)>> {
+type SegmentFile = Box<dyn FileHandle>;
+
+fn open_segment(
+    fs: &Fs,
+    dir: &Path,
+    segno: u64,
+    seg_size: u64,
+) -> Result<Option<(SegmentFile, PathBuf, bool)>> {
     for partial in [true, false] {
         let path = segment_path(dir, segno, seg_size, partial);
-        match OpenOptions::new().read(true).write(true).open(&path) {
+        match fs.open(&path, OpenMode::ReadWrite) {
             Ok(f) => return Ok(Some((f, path, partial))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
@@ -83,10 +91,15 @@ fn open_segment(dir: &Path, segno: u64, seg_size: u64) -> Result<Option<(File, P
 }
 
 /// Opens segment `segno` read-only, `.partial` first, then the plain name.
-fn open_segment_ro(dir: &Path, segno: u64, seg_size: u64) -> Result<Option<(File, PathBuf)>> {
+fn open_segment_ro(
+    fs: &Fs,
+    dir: &Path,
+    segno: u64,
+    seg_size: u64,
+) -> Result<Option<(SegmentFile, PathBuf)>> {
     for partial in [true, false] {
         let path = segment_path(dir, segno, seg_size, partial);
-        match File::open(&path) {
+        match fs.open(&path, OpenMode::Read) {
             Ok(f) => return Ok(Some((f, path))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
@@ -99,7 +112,7 @@ fn open_segment_ro(dir: &Path, segno: u64, seg_size: u64) -> Result<Option<(File
 const ZEROS_LEN: usize = 1 << 20;
 
 /// Writes real zeros over `[from, to)` of `f` (allocating the blocks, unlike `set_len`).
-fn write_zeros(f: &File, from: u64, to: u64) -> std::io::Result<()> {
+fn write_zeros(f: &dyn FileHandle, from: u64, to: u64) -> std::io::Result<()> {
     let zeros = vec![0u8; ZEROS_LEN.min((to - from) as usize)];
     let mut off = from;
     while off < to {
@@ -116,19 +129,16 @@ fn create_segment(
     segno: u64,
     seg_size: u64,
     opts: &WalFileOptions,
-) -> Result<(File, PathBuf)> {
+) -> Result<(SegmentFile, PathBuf)> {
+    let fs = &opts.fs;
     let tmp = dir.join(TMP_SEGMENT_NAME);
     let path = segment_path(dir, segno, seg_size, true);
     let result = (|| {
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)
+        let f = fs
+            .open(&tmp, OpenMode::CreateTruncate)
             .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
         if opts.zero_fill {
-            write_zeros(&f, 0, seg_size)
+            write_zeros(&*f, 0, seg_size)
         } else {
             f.set_len(seg_size)
         }
@@ -136,16 +146,16 @@ fn create_segment(
         if !opts.no_sync {
             // The segment is durable at full size before it is renamed in: later appends
             // change no file size, so fdatasync is enough for them.
-            fsync_or_abort(&f, &tmp, SyncKind::All);
+            fsync_or_abort(&*f, &tmp, SyncKind::All);
         }
-        durable_rename(&tmp, &path, dir, opts.no_sync)?;
+        durable_rename(fs, &tmp, &path, dir, opts.no_sync)?;
         Ok(f)
     })();
     match result {
         Ok(f) => Ok((f, path)),
         Err(e) => {
             // Leave no half-made segment behind (e.g. after ENOSPC).
-            let _ = std::fs::remove_file(&tmp);
+            let _ = fs.remove_file(&tmp);
             Err(e)
         }
     }
@@ -159,7 +169,13 @@ fn create_segment(
 /// holding `start` is absent (and `start` is not its first byte), or, when `wal_start` is valid
 /// and below `start`, the page holding the byte before `start` has no valid header. Then the
 /// returned LSN is the start of the missing segment or page.
-pub fn find_end_of_wal(dir: &Path, seg_size: u64, start: Lsn, wal_start: Lsn) -> Result<Lsn> {
+pub fn find_end_of_wal(
+    fs: &Fs,
+    dir: &Path,
+    seg_size: u64,
+    start: Lsn,
+    wal_start: Lsn,
+) -> Result<Lsn> {
     if !is_valid_seg_size(seg_size) {
         return Err(Error::Rejected(format!(
             "invalid WAL segment size {seg_size}"
@@ -168,7 +184,7 @@ pub fn find_end_of_wal(dir: &Path, seg_size: u64, start: Lsn, wal_start: Lsn) ->
     if wal_start.is_valid() && start > wal_start {
         let probe = Lsn(start.0 - 1);
         let probe_seg = probe.segment_number(seg_size);
-        let Some((f, path)) = open_segment_ro(dir, probe_seg, seg_size)? else {
+        let Some((f, path)) = open_segment_ro(fs, dir, probe_seg, seg_size)? else {
             return Ok(probe.segment_start(seg_size));
         };
         let mut hdr = [0u8; 24];
@@ -188,7 +204,7 @@ pub fn find_end_of_wal(dir: &Path, seg_size: u64, start: Lsn, wal_start: Lsn) ->
     let mut lsn = start;
     loop {
         let segno = lsn.segment_number(seg_size);
-        let Some((f, path)) = open_segment_ro(dir, segno, seg_size)? else {
+        let Some((f, path)) = open_segment_ro(fs, dir, segno, seg_size)? else {
             if lsn == start && lsn.segment_offset(seg_size) != 0 {
                 return Ok(lsn.segment_start(seg_size));
             }
@@ -197,7 +213,7 @@ pub fn find_end_of_wal(dir: &Path, seg_size: u64, start: Lsn, wal_start: Lsn) ->
         let mut off = lsn.segment_offset(seg_size);
         while off < seg_size {
             let want = ((seg_size - off) as usize).min(buf.len());
-            let n = read_full_at(&f, &mut buf[..want], off)
+            let n = read_full_at(&*f, &mut buf[..want], off)
                 .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
             if n == 0 {
                 return Ok(decoder.last_record_end());
@@ -216,32 +232,20 @@ pub fn find_end_of_wal(dir: &Path, seg_size: u64, start: Lsn, wal_start: Lsn) ->
     Ok(decoder.last_record_end())
 }
 
-/// Reads as many bytes as available at `off` into `buf`, up to its length (stops early only at
-/// end of file).
-fn read_full_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        match f.read_at(&mut buf[got..], off + got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(got)
-}
-
 /// Reads WAL bytes from the segment files of a timeline; independent of the writer, so a
 /// walsender can read while appends go on (callers only read below the writer's flush LSN).
 #[derive(Clone, Debug)]
 pub struct WalReader {
+    fs: Fs,
     dir: PathBuf,
     seg_size: u64,
 }
 
 impl WalReader {
+    /// A reader of the segments in `dir` on the real file system.
     pub fn new(dir: impl Into<PathBuf>, seg_size: u64) -> WalReader {
         WalReader {
+            fs: Fs::real(),
             dir: dir.into(),
             seg_size,
         }
@@ -278,15 +282,16 @@ impl WalReader {
             let segno = lsn.segment_number(self.seg_size);
             let off = lsn.segment_offset(self.seg_size);
             let n = ((self.seg_size - off) as usize).min(buf.len() - done);
-            let (f, path) = open_segment_ro(&self.dir, segno, self.seg_size)?.ok_or_else(|| {
-                Error::io(
-                    format!(
-                        "reading WAL at {lsn}: segment {} is missing",
-                        segment_path(&self.dir, segno, self.seg_size, false).display()
-                    ),
-                    std::io::Error::from(std::io::ErrorKind::NotFound),
-                )
-            })?;
+            let (f, path) = open_segment_ro(&self.fs, &self.dir, segno, self.seg_size)?
+                .ok_or_else(|| {
+                    Error::io(
+                        format!(
+                            "reading WAL at {lsn}: segment {} is missing",
+                            segment_path(&self.dir, segno, self.seg_size, false).display()
+                        ),
+                        std::io::Error::from(std::io::ErrorKind::NotFound),
+                    )
+                })?;
             f.read_exact_at(&mut buf[done..done + n], off)
                 .map_err(|e| Error::io(format!("reading {} at {lsn}", path.display()), e))?;
             done += n;
@@ -308,7 +313,7 @@ const COALESCE_MAX: usize = 512 * 1024;
 struct OpenSegment {
     segno: u64,
     path: PathBuf,
-    file: File,
+    file: SegmentFile,
 }
 
 /// WAL of one timeline in segment files.
@@ -359,15 +364,16 @@ impl WalFileStore {
                 "invalid WAL segment size {seg_size}: must be a power of two in 1 MiB..=1 GiB"
             )));
         }
-        std::fs::create_dir_all(&dir)
+        let fs = &opts.fs;
+        fs.create_dir_all(&dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        match std::fs::remove_file(dir.join(TMP_SEGMENT_NAME)) {
+        match fs.remove_file(&dir.join(TMP_SEGMENT_NAME)) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(Error::io("removing a leftover waltmp", e)),
         }
         let end = if commit_lsn.is_valid() {
-            let end = find_end_of_wal(&dir, seg_size, commit_lsn, opts.wal_start_lsn)?;
+            let end = find_end_of_wal(fs, &dir, seg_size, commit_lsn, opts.wal_start_lsn)?;
             if end < commit_lsn {
                 return Err(Error::Corruption {
                     file: dir.display().to_string(),
@@ -419,7 +425,11 @@ impl WalFileStore {
 
     /// A reader of this store's segments.
     pub fn reader(&self) -> WalReader {
-        WalReader::new(self.dir.clone(), self.seg_size)
+        WalReader {
+            fs: self.opts.fs.clone(),
+            dir: self.dir.clone(),
+            seg_size: self.seg_size,
+        }
     }
 
     /// Appends the WAL bytes `[from, to)` to `out` (see [`WalReader::read`]).
@@ -440,7 +450,9 @@ impl WalFileStore {
         let mut removed = 0;
         for (n, _partial, path) in self.list_segments()? {
             if n <= segno {
-                std::fs::remove_file(&path)
+                self.opts
+                    .fs
+                    .remove_file(&path)
                     .map_err(|e| Error::io(format!("removing {}", path.display()), e))?;
                 removed += 1;
             }
@@ -451,18 +463,20 @@ impl WalFileStore {
     fn list_segments(&self) -> Result<Vec<(u64, bool, PathBuf)>> {
         let ctx = || format!("listing {}", self.dir.display());
         let mut out = Vec::new();
-        for entry in std::fs::read_dir(&self.dir).map_err(|e| Error::io(ctx(), e))? {
-            let entry = entry.map_err(|e| Error::io(ctx(), e))?;
-            if let Some(name) = entry.file_name().to_str()
-                && let Some((segno, partial)) = parse_xlog_file_name(name, self.seg_size)
-            {
-                out.push((segno, partial, entry.path()));
+        for name in self
+            .opts
+            .fs
+            .list_dir(&self.dir)
+            .map_err(|e| Error::io(ctx(), e))?
+        {
+            if let Some((segno, partial)) = parse_xlog_file_name(&name, self.seg_size) {
+                out.push((segno, partial, self.dir.join(name)));
             }
         }
         Ok(out)
     }
 
-    fn sync(&self, file: &File, path: &Path, kind: SyncKind) {
+    fn sync(&self, file: &dyn FileHandle, path: &Path, kind: SyncKind) {
         if !self.opts.no_sync {
             fsync_or_abort(file, path, kind);
         }
@@ -474,13 +488,13 @@ impl WalFileStore {
             self.file = None;
         }
         if self.file.is_none() {
-            let (file, path) = match open_segment(&self.dir, segno, self.seg_size)? {
+            let (file, path) = match open_segment(&self.opts.fs, &self.dir, segno, self.seg_size)? {
                 Some((file, path, true)) => (file, path),
                 Some((file, full, false)) => {
                     // A completed segment is being rewritten (only after a truncation that
                     // crashed before renaming it): it is the current one again.
                     let path = segment_path(&self.dir, segno, self.seg_size, true);
-                    durable_rename(&full, &path, &self.dir, self.opts.no_sync)?;
+                    durable_rename(&self.opts.fs, &full, &path, &self.dir, self.opts.no_sync)?;
                     (file, path)
                 }
                 None => create_segment(&self.dir, segno, self.seg_size, &self.opts)?,
@@ -521,9 +535,9 @@ impl WalFileStore {
         };
         // The segment is durable before it is renamed to its final name. The rename itself is
         // not fsynced: recovery and truncation look for both names.
-        self.sync(&seg.file, &seg.path, SyncKind::Data);
+        self.sync(&*seg.file, &seg.path, SyncKind::Data);
         let full = segment_path(&self.dir, segno, self.seg_size, false);
-        std::fs::rename(&seg.path, &full).map_err(|e| {
+        self.opts.fs.rename(&seg.path, &full).map_err(|e| {
             Error::io(
                 format!("renaming {} to {}", seg.path.display(), full.display()),
                 e,
@@ -655,7 +669,8 @@ impl WalStore for WalFileStore {
         let end_off = end.segment_offset(self.seg_size);
         // 1. Zero everything after `end` in its segment and make it durable first: from then on
         //    recovery can never decode past `end`, whatever is left in later segments.
-        let existing = open_segment(&self.dir, end_segno, self.seg_size)?;
+        let fs = self.opts.fs.clone();
+        let existing = open_segment(&fs, &self.dir, end_segno, self.seg_size)?;
         let seg = match existing {
             Some(s) => Some(s),
             None if end_off != 0 => {
@@ -666,39 +681,39 @@ impl WalStore for WalFileStore {
         };
         if let Some((f, path, partial)) = seg {
             if self.opts.zero_fill {
-                write_zeros(&f, end_off, self.seg_size)
+                write_zeros(&*f, end_off, self.seg_size)
             } else {
                 f.set_len(end_off).and_then(|()| f.set_len(self.seg_size))
             }
             .map_err(|e| Error::io(format!("zeroing {} after {end}", path.display()), e))?;
             // fsync, not fdatasync: the file size changed twice.
-            self.sync(&f, &path, SyncKind::All);
+            self.sync(&*f, &path, SyncKind::All);
             if !partial {
                 let p = segment_path(&self.dir, end_segno, self.seg_size, true);
-                std::fs::rename(&path, &p)
+                fs.rename(&path, &p)
                     .map_err(|e| Error::io(format!("renaming {}", path.display()), e))?;
             }
         }
         // 2. Delete later segments (and a leftover temporary file).
         for (segno, _partial, path) in self.list_segments()? {
             if segno > end_segno {
-                std::fs::remove_file(&path)
+                fs.remove_file(&path)
                     .map_err(|e| Error::io(format!("removing {}", path.display()), e))?;
             }
         }
-        let _ = std::fs::remove_file(self.dir.join(TMP_SEGMENT_NAME));
+        let _ = fs.remove_file(&self.dir.join(TMP_SEGMENT_NAME));
         // 3. A segment that ends exactly at `end` is complete: give it its final name.
         if end_off == 0 && end_segno > 0 {
             let prev = segment_path(&self.dir, end_segno - 1, self.seg_size, true);
-            if prev.exists() {
+            if fs.exists(&prev) {
                 let full = segment_path(&self.dir, end_segno - 1, self.seg_size, false);
-                std::fs::rename(&prev, &full)
+                fs.rename(&prev, &full)
                     .map_err(|e| Error::io(format!("renaming {}", prev.display()), e))?;
             }
         }
         // 4. Make the deletions and renames durable.
         if !self.opts.no_sync {
-            fsync_dir(&self.dir)?;
+            fsync_dir(&fs, &self.dir);
         }
         self.pending_truncation = false;
         Ok(())
@@ -710,12 +725,14 @@ impl WalStore for WalFileStore {
         }
         self.write_out_pending()?;
         match &self.file {
-            Some(seg) => self.sync(&seg.file, &seg.path, SyncKind::Data),
+            Some(seg) => self.sync(&*seg.file, &seg.path, SyncKind::Data),
             None => {
                 // Not open (e.g. after an I/O error): sync the segment holding the last byte.
                 let last = Lsn(self.write_lsn.0 - 1).segment_number(self.seg_size);
-                if let Some((f, path, _)) = open_segment(&self.dir, last, self.seg_size)? {
-                    self.sync(&f, &path, SyncKind::Data);
+                if let Some((f, path, _)) =
+                    open_segment(&self.opts.fs, &self.dir, last, self.seg_size)?
+                {
+                    self.sync(&*f, &path, SyncKind::Data);
                 }
             }
         }
@@ -746,6 +763,9 @@ impl WalStore for WalFileStore {
 
 #[cfg(test)]
 mod tests {
+    use std::fs::OpenOptions;
+    use std::os::unix::fs::FileExt;
+
     use super::*;
     use crate::wal::{RecordPos, WalGenerator};
 
@@ -757,6 +777,7 @@ mod tests {
             system_id: 77,
             wal_start_lsn: Lsn::INVALID,
             zero_fill: false,
+            fs: Fs::default(),
         }
     }
 
@@ -801,6 +822,40 @@ mod tests {
         assert_eq!(s.flush_lsn(), end);
         drop(s);
         let s = reopen(dir.path(), pos[1].end).unwrap();
+        assert_eq!(s.flush_lsn(), end);
+        let mut back = Vec::new();
+        s.read_wal(start, end, &mut back).unwrap();
+        assert_eq!(back, bytes);
+    }
+
+    /// On a file system that forgets un-synced directory entries (promise 1): WAL flushed
+    /// across a segment boundary survives the harshest power loss, because every new segment's
+    /// name is made durable (directory fsync) before WAL goes into it. Without that fsync the
+    /// segments vanish and the reopen finds nothing.
+    #[test]
+    fn flushed_wal_survives_power_loss_that_forgets_unsynced_directory_entries() {
+        use crate::storage::fs::{FileSystem, SimFs};
+        let sim = SimFs::new();
+        let dir = Path::new("/tl");
+        sim.create_dir_all(dir).unwrap();
+        let o = WalFileOptions {
+            fs: Fs::sim(sim.clone()),
+            ..opts()
+        };
+        let start = Lsn(2 * SEG - 3 * 8192);
+        let mut s = fresh_with(dir, start, o.clone());
+        let (all, pos) = gen_wal(start, &[20_000, 9_000, 30_000, 100, 50]);
+        let end = pos[3].end;
+        let bytes = &all[..(end.0 - start.0) as usize];
+        s.write_wal(start, bytes).unwrap();
+        s.flush_wal().unwrap();
+        assert!(end.segment_number(SEG) > start.segment_number(SEG));
+        assert_eq!(s.flush_lsn(), end);
+        // Written but never flushed: may be lost.
+        s.write_wal(end, &all[bytes.len()..]).unwrap();
+        drop(s);
+        sim.power_loss(&mut |_| 0);
+        let s = WalFileStore::open(dir, SEG, pos[0].end, o).unwrap();
         assert_eq!(s.flush_lsn(), end);
         let mut back = Vec::new();
         s.read_wal(start, end, &mut back).unwrap();

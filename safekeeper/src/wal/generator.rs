@@ -80,6 +80,8 @@ pub struct WalGenerator {
     lsn: Lsn,
     /// Start of the last record (the next record's `xl_prev`).
     prev: Lsn,
+    /// `xl_xid` of the next records (0, as PostgreSQL writes non-transactional messages).
+    xid: u32,
     /// Prefix of every message, without its NUL. Invariant: contains no NUL.
     prefix: Vec<u8>,
     /// Reused buffer for the block header, `xl_logical_message` and prefix.
@@ -99,6 +101,7 @@ impl WalGenerator {
             sysid,
             lsn: start,
             prev: Lsn(0),
+            xid: 0,
             prefix: b"mini-safekeeper".to_vec(),
             scratch: Vec::with_capacity(64),
         })
@@ -108,6 +111,12 @@ impl WalGenerator {
     pub fn with_prev(mut self, prev: Lsn) -> WalGenerator {
         self.prev = prev;
         self
+    }
+
+    /// Sets the `xl_xid` of the next records (tests stamp records with it; `pg_waldump` prints
+    /// it as `tx:`).
+    pub fn set_xid(&mut self, xid: u32) {
+        self.xid = xid;
     }
 
     /// Sets the message prefix. NUL bytes are dropped (PostgreSQL's prefix is a C string).
@@ -166,7 +175,7 @@ impl WalGenerator {
 
         let mut header = XLogRecordHeader {
             tot_len,
-            xid: 0,
+            xid: self.xid,
             prev: self.prev,
             info: XLOG_LOGICAL_MESSAGE,
             rmid: RM_LOGICALMSG_ID,

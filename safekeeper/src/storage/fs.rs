@@ -1,0 +1,740 @@
+//! The file-system seam under the file stores: the real file system ([`Fs::real`]) and a
+//! simulated one ([`SimFs`]) that forgets, on a simulated power loss, everything no fsync has
+//! made durable: file contents *and* directory entries (creations, renames, deletions).
+//!
+//! Why a simulation: `kill -9` cannot catch a missing fsync, because the page cache survives it,
+//! and the in-memory store fakes ([`super::mem`]) model an atomic, durable rename, so neither can
+//! catch a missing *directory* fsync. [`SimFs`] follows POSIX's weakest reading, as LazyFS and
+//! ALICE do: a rename or a new file is durable only once its directory is fsynced, and a file's
+//! writes only once the file is. The model test runs the real [`super::wal_file`] and
+//! [`super::control_file`] stores on it.
+//!
+//! What [`SimFs`] does not model: directory creation (durable at once), reordering of one
+//! file's unsynced writes (a power loss keeps a random *prefix* of them, which includes torn
+//! tails and lost tails but no holes), and `fdatasync` losing a size change (`Data` and `All`
+//! both make size and content durable; the stores use `All` where the size changes).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::durable::SyncKind;
+
+/// How to open a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpenMode {
+    /// An existing file, read-only.
+    Read,
+    /// An existing file, for reading and writing.
+    ReadWrite,
+    /// Created if missing, truncated to zero length, for reading and writing.
+    CreateTruncate,
+}
+
+/// An open file: positional reads and writes only.
+pub trait FileHandle: fmt::Debug + Send + Sync {
+    /// Reads up to `buf.len()` bytes at `off`; 0 at end of file.
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize>;
+    /// Writes all of `buf` at `off`, extending the file with zeros if `off` is past its end.
+    fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
+    fn set_len(&self, len: u64) -> io::Result<()>;
+    /// `fdatasync` or `fsync`. Callers go through [`super::durable::fsync_or_abort`].
+    fn sync(&self, kind: SyncKind) -> io::Result<()>;
+
+    /// Fills `buf` from `off`; an error if the file ends first.
+    fn read_exact_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        let n = read_full_at(self, buf, off)?;
+        if n < buf.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("file ends {} bytes into a {}-byte read", n, buf.len()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Reads as many bytes as available at `off` into `buf`, up to its length (stops early only at
+/// end of file).
+pub fn read_full_at<F: FileHandle + ?Sized>(f: &F, buf: &mut [u8], off: u64) -> io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read_at(&mut buf[got..], off + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// Operations on names. Paths are absolute or relative to the process's working directory
+/// (real) or to the simulation's root (simulated).
+pub trait FileSystem: fmt::Debug + Send + Sync {
+    fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Box<dyn FileHandle>>;
+    /// Atomically replaces `to` with `from` (same directory).
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+    fn create_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Names of the entries of directory `path`.
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>>;
+    fn exists(&self, path: &Path) -> bool;
+    /// Makes the entries of directory `path` durable. Callers go through
+    /// [`super::durable::fsync_dir`].
+    fn sync_dir(&self, path: &Path) -> io::Result<()>;
+}
+
+/// A shared handle to a file system; the default is the real one.
+#[derive(Clone)]
+pub struct Fs(Arc<dyn FileSystem>);
+
+impl Fs {
+    /// The operating system's file system.
+    pub fn real() -> Fs {
+        Fs(Arc::new(RealFs))
+    }
+
+    /// A simulated file system (see [`SimFs`]).
+    pub fn sim(sim: Arc<SimFs>) -> Fs {
+        Fs(sim)
+    }
+}
+
+impl Default for Fs {
+    fn default() -> Fs {
+        Fs::real()
+    }
+}
+
+impl fmt::Debug for Fs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::ops::Deref for Fs {
+    type Target = dyn FileSystem;
+
+    fn deref(&self) -> &(dyn FileSystem + 'static) {
+        &*self.0
+    }
+}
+
+// ----- the real file system -------------------------------------------------------------------
+
+#[derive(Debug)]
+struct RealFs;
+
+#[derive(Debug)]
+struct RealFile(std::fs::File);
+
+impl FileHandle for RealFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
+        std::os::unix::fs::FileExt::read_at(&self.0, buf, off)
+    }
+
+    fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.0, buf, off)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+
+    fn sync(&self, kind: SyncKind) -> io::Result<()> {
+        match kind {
+            SyncKind::Data => self.0.sync_data(),
+            SyncKind::All => self.0.sync_all(),
+        }
+    }
+}
+
+impl FileSystem for RealFs {
+    fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Box<dyn FileHandle>> {
+        let mut o = std::fs::OpenOptions::new();
+        match mode {
+            OpenMode::Read => o.read(true),
+            OpenMode::ReadWrite => o.read(true).write(true),
+            OpenMode::CreateTruncate => o.read(true).write(true).create(true).truncate(true),
+        };
+        Ok(Box::new(RealFile(o.open(path)?)))
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_file(path)
+    }
+
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(path)
+    }
+
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(path)? {
+            if let Ok(name) = entry?.file_name().into_string() {
+                names.push(name);
+            }
+        }
+        Ok(names)
+    }
+
+    fn exists(&self, path: &Path) -> bool {
+        path.exists()
+    }
+
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        std::fs::File::open(path)?.sync_all()
+    }
+}
+
+// ----- the simulated file system --------------------------------------------------------------
+
+/// An in-memory file system that can lose power.
+///
+/// Every file (inode) keeps its durable content and the operations applied since its last
+/// fsync; every directory keeps its durable entries and the entry operations since its last
+/// fsync. [`SimFs::power_loss`] keeps, per file and per directory, a prefix of those pending
+/// operations (the caller chooses how long) and forgets the rest, and invalidates every open
+/// handle. Operations between power losses see the current (not necessarily durable) state, as
+/// processes see the page cache.
+#[derive(Debug, Default)]
+pub struct SimFs {
+    /// Shared with the open handles.
+    state: Arc<Mutex<SimState>>,
+}
+
+#[derive(Debug, Default)]
+struct SimState {
+    /// Bumped by every power loss; handles of an older epoch fail with EIO.
+    epoch: u64,
+    next_ino: u64,
+    inodes: HashMap<u64, Inode>,
+    dirs: BTreeMap<PathBuf, Dir>,
+    fsyncs: u64,
+    dir_fsyncs: u64,
+}
+
+#[derive(Debug, Default)]
+struct Inode {
+    data: Vec<u8>,
+    durable: Vec<u8>,
+    /// Applied to `data`, not yet to `durable`.
+    pending: Vec<FileOp>,
+}
+
+#[derive(Debug)]
+enum FileOp {
+    Write { off: u64, bytes: Vec<u8> },
+    SetLen(u64),
+}
+
+impl FileOp {
+    fn apply(&self, data: &mut Vec<u8>) {
+        match self {
+            FileOp::Write { off, bytes } => {
+                let off = *off as usize;
+                set_len(data, data.len().max(off + bytes.len()));
+                data[off..off + bytes.len()].copy_from_slice(bytes);
+            }
+            FileOp::SetLen(len) => set_len(data, *len as usize),
+        }
+    }
+}
+
+/// Truncates or zero-extends `data` to `len` bytes. Growth allocates zeroed memory and copies
+/// (`Vec::resize` fills byte by byte in unoptimized test builds: 1 MiB segments made it the
+/// model test's hot spot).
+fn set_len(data: &mut Vec<u8>, len: usize) {
+    if len <= data.len() {
+        data.truncate(len);
+    } else {
+        let mut grown = vec![0u8; len];
+        grown[..data.len()].copy_from_slice(data);
+        *data = grown;
+    }
+}
+
+#[derive(Debug, Default)]
+struct Dir {
+    entries: BTreeMap<String, u64>,
+    durable: BTreeMap<String, u64>,
+    pending: Vec<DirOp>,
+}
+
+#[derive(Debug)]
+enum DirOp {
+    Link {
+        name: String,
+        ino: u64,
+    },
+    Unlink {
+        name: String,
+    },
+    /// Atomic within one directory, as `rename(2)` is.
+    Rename {
+        from: String,
+        to: String,
+    },
+}
+
+impl DirOp {
+    fn apply(&self, entries: &mut BTreeMap<String, u64>) {
+        match self {
+            DirOp::Link { name, ino } => {
+                entries.insert(name.clone(), *ino);
+            }
+            DirOp::Unlink { name } => {
+                entries.remove(name);
+            }
+            DirOp::Rename { from, to } => {
+                if let Some(ino) = entries.remove(from) {
+                    entries.insert(to.clone(), ino);
+                }
+            }
+        }
+    }
+}
+
+/// What a simulated power loss did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PowerLossReport {
+    /// Unsynced file operations (writes, size changes) forgotten / kept.
+    pub file_ops_lost: usize,
+    pub file_ops_kept: usize,
+    /// Unsynced directory operations (creations, renames, deletions) forgotten / kept.
+    pub dir_ops_lost: usize,
+    pub dir_ops_kept: usize,
+}
+
+/// A panic while holding the lock leaves the state consistent (every mutation is complete
+/// before the guard drops), so a poisoned lock is still usable.
+fn lock(state: &Mutex<SimState>) -> MutexGuard<'_, SimState> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn not_found(path: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{}: no such file or directory", path.display()),
+    )
+}
+
+/// `(directory, file name)` of `path`.
+fn split(path: &Path) -> io::Result<(PathBuf, String)> {
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    let dir = path.parent().unwrap_or(Path::new("")).to_path_buf();
+    Ok((dir, name.to_string()))
+}
+
+impl SimFs {
+    pub fn new() -> Arc<SimFs> {
+        Arc::new(SimFs::default())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SimState> {
+        lock(&self.state)
+    }
+
+    /// Simulates a power loss: for every file and directory, `keep(n)` (clamped to `n`) of its
+    /// `n` pending operations survive, in order; the rest are forgotten. Open handles stop
+    /// working. `keep = |_| 0` is the harshest outcome, `|n| n` a clean shutdown.
+    pub fn power_loss(&self, keep: &mut dyn FnMut(usize) -> usize) -> PowerLossReport {
+        let mut st = self.lock();
+        let mut report = PowerLossReport::default();
+        st.epoch += 1;
+        for dir in st.dirs.values_mut() {
+            let k = keep(dir.pending.len()).min(dir.pending.len());
+            for op in dir.pending.drain(..k) {
+                op.apply(&mut dir.durable);
+            }
+            report.dir_ops_kept += k;
+            report.dir_ops_lost += dir.pending.len();
+            dir.pending.clear();
+            dir.entries = dir.durable.clone();
+        }
+        // Iterate in inode order: the outcome depends only on the caller's choices.
+        let mut inos: Vec<u64> = st.inodes.keys().copied().collect();
+        inos.sort_unstable();
+        let linked: std::collections::HashSet<u64> = st
+            .dirs
+            .values()
+            .flat_map(|d| d.durable.values().copied())
+            .collect();
+        for ino in inos {
+            if !linked.contains(&ino) {
+                st.inodes.remove(&ino);
+                continue;
+            }
+            let inode = st.inodes.get_mut(&ino).expect("listed above");
+            let n = inode.pending.len();
+            let k = keep(n).min(n);
+            for op in inode.pending.drain(..k) {
+                op.apply(&mut inode.durable);
+            }
+            report.file_ops_kept += k;
+            report.file_ops_lost += n - k;
+            inode.pending.clear();
+            inode.data = inode.durable.clone();
+        }
+        report
+    }
+
+    /// Number of file fsyncs and directory fsyncs so far.
+    pub fn sync_counts(&self) -> (u64, u64) {
+        let st = self.lock();
+        (st.fsyncs, st.dir_fsyncs)
+    }
+
+    /// The current content of the file at `path` (what a reader sees now, durable or not).
+    pub fn read_file(&self, path: &Path) -> io::Result<Vec<u8>> {
+        let st = self.lock();
+        let ino = st.lookup(path)?;
+        Ok(st.inodes[&ino].data.clone())
+    }
+
+    /// Replaces the content of the file at `path`, durably (a test corrupting a file).
+    pub fn write_file_durably(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let mut st = self.lock();
+        let ino = st.lookup(path)?;
+        let inode = st.inodes.get_mut(&ino).expect("linked inode exists");
+        inode.pending.clear();
+        inode.data = bytes.to_vec();
+        inode.durable = bytes.to_vec();
+        Ok(())
+    }
+}
+
+impl SimState {
+    fn dir(&self, dir: &Path) -> io::Result<&Dir> {
+        self.dirs.get(dir).ok_or_else(|| not_found(dir))
+    }
+
+    fn dir_mut(&mut self, dir: &Path) -> io::Result<&mut Dir> {
+        self.dirs.get_mut(dir).ok_or_else(|| not_found(dir))
+    }
+
+    fn lookup(&self, path: &Path) -> io::Result<u64> {
+        let (dir, name) = split(path)?;
+        self.dir(&dir)?
+            .entries
+            .get(&name)
+            .copied()
+            .ok_or_else(|| not_found(path))
+    }
+
+    fn dir_op(&mut self, dir: &Path, op: DirOp) -> io::Result<()> {
+        let d = self.dir_mut(dir)?;
+        op.apply(&mut d.entries);
+        d.pending.push(op);
+        Ok(())
+    }
+}
+
+impl FileSystem for SimFs {
+    fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Box<dyn FileHandle>> {
+        let mut st = self.lock();
+        let epoch = st.epoch;
+        let ino = match (st.lookup(path), mode) {
+            (Ok(ino), OpenMode::CreateTruncate) => {
+                let inode = st.inodes.get_mut(&ino).expect("linked inode exists");
+                let op = FileOp::SetLen(0);
+                op.apply(&mut inode.data);
+                inode.pending.push(op);
+                ino
+            }
+            (Ok(ino), _) => ino,
+            (Err(_), OpenMode::CreateTruncate) => {
+                let (dir, name) = split(path)?;
+                st.dir(&dir)?;
+                st.next_ino += 1;
+                let ino = st.next_ino;
+                st.inodes.insert(ino, Inode::default());
+                st.dir_op(&dir, DirOp::Link { name, ino })?;
+                ino
+            }
+            (Err(e), _) => return Err(e),
+        };
+        Ok(Box::new(SimFile {
+            state: Arc::clone(&self.state),
+            ino,
+            epoch,
+            writable: mode != OpenMode::Read,
+        }))
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let mut st = self.lock();
+        st.lookup(from)?;
+        let (dir, from_name) = split(from)?;
+        let (to_dir, to_name) = split(to)?;
+        if dir != to_dir {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "the simulation renames within one directory only",
+            ));
+        }
+        st.dir_op(
+            &dir,
+            DirOp::Rename {
+                from: from_name,
+                to: to_name,
+            },
+        )
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        let mut st = self.lock();
+        st.lookup(path)?;
+        let (dir, name) = split(path)?;
+        st.dir_op(&dir, DirOp::Unlink { name })
+    }
+
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        let mut st = self.lock();
+        let mut p = Some(path);
+        while let Some(d) = p {
+            st.dirs.entry(d.to_path_buf()).or_default();
+            p = d.parent();
+        }
+        Ok(())
+    }
+
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
+        Ok(self.lock().dir(path)?.entries.keys().cloned().collect())
+    }
+
+    fn exists(&self, path: &Path) -> bool {
+        let st = self.lock();
+        st.dirs.contains_key(path) || st.lookup(path).is_ok()
+    }
+
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        let mut st = self.lock();
+        st.dir_fsyncs += 1;
+        let d = st.dir_mut(path)?;
+        for op in d.pending.drain(..) {
+            op.apply(&mut d.durable);
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct SimFile {
+    state: Arc<Mutex<SimState>>,
+    ino: u64,
+    epoch: u64,
+    writable: bool,
+}
+
+impl SimFile {
+    fn with_inode<T>(&self, f: impl FnOnce(&mut SimState, u64) -> io::Result<T>) -> io::Result<T> {
+        let mut st = lock(&self.state);
+        if st.epoch != self.epoch || !st.inodes.contains_key(&self.ino) {
+            return Err(io::Error::other(
+                "stale handle: the simulated machine lost power",
+            ));
+        }
+        f(&mut st, self.ino)
+    }
+
+    fn mutate(&self, op: FileOp) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "file opened read-only",
+            ));
+        }
+        self.with_inode(|st, ino| {
+            let inode = st.inodes.get_mut(&ino).expect("checked");
+            op.apply(&mut inode.data);
+            inode.pending.push(op);
+            Ok(())
+        })
+    }
+}
+
+impl FileHandle for SimFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
+        self.with_inode(|st, ino| {
+            let data = &st.inodes[&ino].data;
+            let off = (off as usize).min(data.len());
+            let n = buf.len().min(data.len() - off);
+            buf[..n].copy_from_slice(&data[off..off + n]);
+            Ok(n)
+        })
+    }
+
+    fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.mutate(FileOp::Write {
+            off,
+            bytes: buf.to_vec(),
+        })
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.mutate(FileOp::SetLen(len))
+    }
+
+    fn sync(&self, _kind: SyncKind) -> io::Result<()> {
+        self.with_inode(|st, ino| {
+            st.fsyncs += 1;
+            let inode = st.inodes.get_mut(&ino).expect("checked");
+            for op in inode.pending.drain(..) {
+                op.apply(&mut inode.durable);
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sim() -> (Arc<SimFs>, Fs) {
+        let sim = SimFs::new();
+        sim.create_dir_all(Path::new("/d")).unwrap();
+        let fs = Fs::sim(sim.clone());
+        (sim, fs)
+    }
+
+    fn read_all(fs: &Fs, path: &str) -> io::Result<Vec<u8>> {
+        let f = fs.open(Path::new(path), OpenMode::Read)?;
+        let mut buf = vec![0; 1 << 16];
+        let n = read_full_at(&*f, &mut buf, 0)?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+
+    #[test]
+    fn unsynced_writes_are_lost_synced_ones_kept() {
+        let (sim, fs) = sim();
+        let f = fs
+            .open(Path::new("/d/a"), OpenMode::CreateTruncate)
+            .unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        f.write_all_at(b"durable", 0).unwrap();
+        f.sync(SyncKind::Data).unwrap();
+        f.write_all_at(b"-lost", 7).unwrap();
+        assert_eq!(read_all(&fs, "/d/a").unwrap(), b"durable-lost");
+        let report = sim.power_loss(&mut |_| 0);
+        assert_eq!((report.file_ops_lost, report.file_ops_kept), (1, 0));
+        assert_eq!(read_all(&fs, "/d/a").unwrap(), b"durable");
+        let err = f.write_all_at(b"x", 0).unwrap_err();
+        assert!(err.to_string().contains("lost power"), "{err}");
+    }
+
+    #[test]
+    fn a_power_loss_keeps_a_prefix_of_unsynced_writes() {
+        let (sim, fs) = sim();
+        let f = fs
+            .open(Path::new("/d/a"), OpenMode::CreateTruncate)
+            .unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        for (i, piece) in [b"one", b"two", b"six"].iter().enumerate() {
+            f.write_all_at(*piece, 3 * i as u64).unwrap();
+        }
+        sim.power_loss(&mut |n| n.saturating_sub(1));
+        assert_eq!(read_all(&fs, "/d/a").unwrap(), b"onetwo");
+    }
+
+    #[test]
+    fn a_rename_is_durable_only_after_the_directory_is_synced() {
+        let (sim, fs) = sim();
+        let old = fs
+            .open(Path::new("/d/f"), OpenMode::CreateTruncate)
+            .unwrap();
+        old.write_all_at(b"old", 0).unwrap();
+        old.sync(SyncKind::All).unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        let new = fs
+            .open(Path::new("/d/f.tmp"), OpenMode::CreateTruncate)
+            .unwrap();
+        new.write_all_at(b"new", 0).unwrap();
+        new.sync(SyncKind::All).unwrap();
+        fs.rename(Path::new("/d/f.tmp"), Path::new("/d/f")).unwrap();
+        assert_eq!(read_all(&fs, "/d/f").unwrap(), b"new");
+
+        // Without a directory fsync both the creation and the rename are forgotten.
+        let report = sim.power_loss(&mut |_| 0);
+        assert_eq!(report.dir_ops_lost, 2);
+        assert_eq!(read_all(&fs, "/d/f").unwrap(), b"old");
+        assert!(!fs.exists(Path::new("/d/f.tmp")));
+
+        // With it, the rename survives.
+        let new = fs
+            .open(Path::new("/d/f.tmp"), OpenMode::CreateTruncate)
+            .unwrap();
+        new.write_all_at(b"new", 0).unwrap();
+        new.sync(SyncKind::All).unwrap();
+        fs.rename(Path::new("/d/f.tmp"), Path::new("/d/f")).unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        sim.power_loss(&mut |_| 0);
+        assert_eq!(read_all(&fs, "/d/f").unwrap(), b"new");
+        assert_eq!(fs.list_dir(Path::new("/d")).unwrap(), vec!["f".to_string()]);
+    }
+
+    #[test]
+    fn a_synced_file_whose_entry_is_not_synced_disappears() {
+        let (sim, fs) = sim();
+        let f = fs
+            .open(Path::new("/d/seg"), OpenMode::CreateTruncate)
+            .unwrap();
+        f.write_all_at(&[7; 100], 0).unwrap();
+        f.sync(SyncKind::All).unwrap();
+        sim.power_loss(&mut |_| 0);
+        assert_eq!(
+            fs.open(Path::new("/d/seg"), OpenMode::Read)
+                .unwrap_err()
+                .kind(),
+            io::ErrorKind::NotFound
+        );
+    }
+
+    #[test]
+    fn deletions_are_undone_unless_synced() {
+        let (sim, fs) = sim();
+        fs.open(Path::new("/d/x"), OpenMode::CreateTruncate)
+            .unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        fs.remove_file(Path::new("/d/x")).unwrap();
+        assert!(!fs.exists(Path::new("/d/x")));
+        sim.power_loss(&mut |_| 0);
+        assert!(fs.exists(Path::new("/d/x")));
+        fs.remove_file(Path::new("/d/x")).unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        sim.power_loss(&mut |_| 0);
+        assert!(!fs.exists(Path::new("/d/x")));
+    }
+
+    #[test]
+    fn size_changes_follow_the_same_rules() {
+        let (sim, fs) = sim();
+        let f = fs
+            .open(Path::new("/d/s"), OpenMode::CreateTruncate)
+            .unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        f.set_len(4096).unwrap();
+        f.sync(SyncKind::All).unwrap();
+        f.write_all_at(&[1; 10], 5000).unwrap();
+        assert_eq!(read_all(&fs, "/d/s").unwrap().len(), 5010);
+        sim.power_loss(&mut |_| 0);
+        assert_eq!(read_all(&fs, "/d/s").unwrap(), vec![0; 4096]);
+        let ro = fs.open(Path::new("/d/s"), OpenMode::Read).unwrap();
+        assert_eq!(
+            ro.write_all_at(b"x", 0).unwrap_err().kind(),
+            io::ErrorKind::PermissionDenied
+        );
+    }
+}
