@@ -17,6 +17,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from fixtures.daemon import RELEASE_DIR, lsn_int, read_wal, timeline_dir, walproposer
 from fixtures.tools import require_pg_tool
 
@@ -51,6 +53,7 @@ def acked(ack_log) -> int:
     return max(lsns, default=0)
 
 
+@pytest.mark.promise(2, 3)
 def test_kill9_loop_loses_nothing_acknowledged(safekeeper_factory, tmp_path):
     cycles = int(os.environ.get("CRASH_CYCLES", "25"))
     seed = int(os.environ.get("CRASH_SEED", random.randrange(1 << 32)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 
+import pytest
 import requests
 
 from fixtures.daemon import Safekeeper
@@ -35,6 +36,7 @@ def test_metrics_expose_process_jemalloc_and_profile_counters(safekeeper):
     assert 'profile_requests_total{outcome="bad_request",profile="cpu"} 1' in text
 
 
+@pytest.mark.promise(9)
 def test_sigterm_exits_zero_promptly(safekeeper):
     started = time.monotonic()
     assert safekeeper.stop(timeout=5) == 0

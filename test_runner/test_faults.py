@@ -9,6 +9,7 @@ import json
 import subprocess
 import time
 
+import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, lsn_int
@@ -45,6 +46,7 @@ def test_unknown_failpoint_is_refused(safekeeper):
     assert "wal-write-enospc" in r.text
 
 
+@pytest.mark.promise(6)
 def test_failed_fsync_aborts_and_nothing_undurable_is_claimed(safekeeper_factory, tmp_path):
     sk = safekeeper_factory().start()
     ack_log = tmp_path / "acks"
@@ -65,6 +67,7 @@ def test_failed_fsync_aborts_and_nothing_undurable_is_claimed(safekeeper_factory
     assert lsn_int(t["flush_lsn"]) >= acked, (t, acked)
 
 
+@pytest.mark.promise(7)
 def test_disk_full_fails_appends_keeps_serving_and_resumes(safekeeper_factory, tmp_path):
     sk = safekeeper_factory().start()
     ack_log = tmp_path / "acks"
@@ -91,6 +94,7 @@ def test_disk_full_fails_appends_keeps_serving_and_resumes(safekeeper_factory, t
     assert max_acked(ack_log) <= lsn_int(t["flush_lsn"])
 
 
+@pytest.mark.promise(7)
 def test_real_full_filesystem_fails_appends_and_recovers_when_space_returns(
     safekeeper_factory, tmp_path
 ):

@@ -14,11 +14,13 @@ import struct
 import subprocess
 import time
 
+import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, lsn_int, timeline_dir, walproposer
 
 
+@pytest.mark.promise(8)
 def test_many_concurrent_cpu_profiles_get_one_200_and_409s(safekeeper):
     def get(_):
         return requests.get(f"{safekeeper.http}/profile/cpu?seconds=2", timeout=60).status_code
@@ -33,6 +35,7 @@ def test_many_concurrent_cpu_profiles_get_one_200_and_409s(safekeeper):
     assert requests.get(f"{safekeeper.http}/v1/status", timeout=5).ok
 
 
+@pytest.mark.promise(8)
 def test_hostile_pg_clients_are_contained(safekeeper):
     walproposer([safekeeper], "--total", "2M")
     rss_before = safekeeper.rss_bytes()
@@ -59,6 +62,7 @@ def test_hostile_pg_clients_are_contained(safekeeper):
     assert safekeeper.proc.poll() is None
 
 
+@pytest.mark.promise(1, 9)
 def test_sigterm_during_ingestion_exits_promptly_keeping_acknowledged_wal(
     safekeeper_factory, tmp_path
 ):
@@ -90,6 +94,7 @@ def _stopped_with_wal(factory):
     return sk
 
 
+@pytest.mark.promise(5)
 def test_bit_flip_in_control_file_refuses_start_naming_the_file(safekeeper_factory):
     sk = _stopped_with_wal(safekeeper_factory)
     control = timeline_dir(sk) / "safekeeper.control"
@@ -102,6 +107,7 @@ def test_bit_flip_in_control_file_refuses_start_naming_the_file(safekeeper_facto
     assert "checksum" in sk.log().lower() or "corrupt" in sk.log().lower()
 
 
+@pytest.mark.promise(5)
 def test_flipped_byte_below_commit_refuses_start(safekeeper_factory):
     sk = _stopped_with_wal(safekeeper_factory)
     seg = timeline_dir(sk) / "000000010000000000000001.partial"

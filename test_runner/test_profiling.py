@@ -232,6 +232,7 @@ def test_client_disconnect_stops_cpu_profile(safekeeper):
         ("/profile/heap?format=jemalloc&seconds=5", "format=pprof or format=svg"),
     ],
 )
+@pytest.mark.promise(8)
 def test_bad_profile_parameters_get_400_with_reason(safekeeper, path, valid):
     r = requests.get(f"{safekeeper.http}{path}", timeout=10)
     assert r.status_code == 400, r.text

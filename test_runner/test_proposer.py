@@ -8,6 +8,7 @@ import os
 import subprocess
 import time
 
+import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, lsn_int, read_wal, walproposer
@@ -42,6 +43,7 @@ def digest(sk, start: int, end: int) -> str:
     return hashlib.sha256(read_wal(sk, start, end)).hexdigest()
 
 
+@pytest.mark.promise(2)
 def test_kill9_of_one_safekeeper_mid_stream_loses_nothing(safekeeper_factory):
     sks = start_cluster(safekeeper_factory)
     wp = spawn_proposer(sks, "--total", "160M", "--rate", "32M", "--record-size", "512")
@@ -69,6 +71,7 @@ def test_kill9_of_one_safekeeper_mid_stream_loses_nothing(safekeeper_factory):
     assert len(digests) == 1, "safekeepers disagree on committed WAL"
 
 
+@pytest.mark.promise(2)
 def test_competing_proposers_never_rewrite_committed_wal(safekeeper_factory):
     sks = start_cluster(safekeeper_factory)
     first = spawn_proposer(sks, "--total", "400M", "--rate", "40M")

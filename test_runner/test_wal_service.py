@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 
+import pytest
 import requests
 
 from fixtures.daemon import fmt_lsn, lsn_int, read_wal, timeline_dir, walproposer
@@ -91,6 +92,7 @@ def test_pg_receivewal_without_slot_starts_at_the_current_segment(safekeeper, tm
     )
 
 
+@pytest.mark.promise(3)
 def test_reader_asking_for_wal_ahead_of_commit_gets_postgres_error(safekeeper, tmp_path):
     walproposer([safekeeper], "--total", "1M")
     exe = require("pg_receivewal", "postgresql-client-15")

@@ -88,6 +88,15 @@ trait Backend: Sized {
     fn counters(&self) -> Vec<(&'static str, u64)> {
         Vec::new()
     }
+    /// Whether the power can fail in the middle of a storage call (see [`Backend::arm_crash`]).
+    const CRASH_POINTS: bool = false;
+    /// Arms a power failure just before acceptor `a`'s storage operation numbered `ops` from
+    /// now; the call goes on, and if the point was reached the acceptor then loses power there.
+    fn arm_crash(&mut self, _a: usize, _ops: u64) {}
+    /// Whether the armed point was reached (and disarms it if not).
+    fn crash_point_reached(&mut self, _a: usize) -> bool {
+        false
+    }
 }
 
 fn initial_state(seg: u32) -> TimelinePersistentState {
@@ -239,6 +248,20 @@ impl Backend for SimFsBackend {
         } else {
             rng.random_range(0..=400)
         }
+    }
+
+    const CRASH_POINTS: bool = true;
+
+    fn arm_crash(&mut self, a: usize, ops: u64) {
+        self.fs[a].arm_crash_after(ops);
+    }
+
+    fn crash_point_reached(&mut self, a: usize) -> bool {
+        let reached = self.fs[a].crash_point_reached();
+        if !reached {
+            self.fs[a].disarm();
+        }
+        reached
     }
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
@@ -397,6 +420,8 @@ struct Stats {
     elections: u64,
     commits_observed: u64,
     power_losses: u64,
+    /// Power losses in the middle of a storage call.
+    crash_points: u64,
     drops: u64,
     committed_bytes: u64,
     stale_delivered: u64,
@@ -557,7 +582,26 @@ impl<B: Backend> Cluster<B> {
             m => m,
         };
         self.log(|| format!("p{p} -> a{a}: {}", describe_pa(&msg)));
+        // Sometimes the power fails in the middle of handling the message, a few file-system
+        // operations in: the acceptor never replies, and restarts from what was durable there.
+        let crash_armed = B::CRASH_POINTS && self.rng.random_bool(self.fault_rate);
+        if crash_armed {
+            let ops = self.rng.random_range(0..8);
+            self.backend.arm_crash(a, ops);
+        }
         let result = self.sk_mut(a).process_msg(&msg);
+        if crash_armed && self.backend.crash_point_reached(a) {
+            self.stats.crash_points += 1;
+            self.log(|| format!("a{a} loses power while handling that message"));
+            if let ProposerAcceptorMessage::Elected(e) = &msg {
+                // The truncation to the start point may have begun: WAL above it is
+                // legitimately gone (the new term's proposer does not have it).
+                let floor = self.acc_flush_revealed[a].min(e.start_streaming_at);
+                self.acc_flush_revealed[a] = floor;
+            }
+            self.power_loss(a);
+            return;
+        }
         if matches!(msg, ProposerAcceptorMessage::Elected(_)) {
             // Elected may truncate: what was revealed above the new end is legitimately gone.
             let flush = self.sk(a).flush_lsn();
@@ -1322,6 +1366,7 @@ fn run_many<B: Backend>(default_seeds: u64, default_steps: usize) {
         total.elections += s.elections;
         total.commits_observed += s.commits_observed;
         total.power_losses += s.power_losses;
+        total.crash_points += s.crash_points;
         total.drops += s.drops;
         total.committed_bytes += s.committed_bytes;
         total.stale_delivered += s.stale_delivered;

@@ -219,9 +219,21 @@ struct SimState {
     dirs: BTreeMap<PathBuf, Dir>,
     fsyncs: u64,
     dir_fsyncs: u64,
+    /// Armed crash point: the number of mutating operations still allowed before the power
+    /// "fails" (see [`SimFs::arm_crash_after`]).
+    crash_in: Option<u64>,
+    /// The machine's state when the power failed, if a crash point was reached.
+    crash_image: Option<CrashImage>,
 }
 
-#[derive(Debug, Default)]
+/// Files and directories as they were when a crash point was reached.
+#[derive(Debug)]
+struct CrashImage {
+    inodes: HashMap<u64, Inode>,
+    dirs: BTreeMap<PathBuf, Dir>,
+}
+
+#[derive(Debug, Default, Clone)]
 struct Inode {
     data: Vec<u8>,
     durable: Vec<u8>,
@@ -229,7 +241,7 @@ struct Inode {
     pending: Vec<FileOp>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum FileOp {
     Write { off: u64, bytes: Vec<u8> },
     SetLen(u64),
@@ -261,14 +273,14 @@ fn set_len(data: &mut Vec<u8>, len: usize) {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Dir {
     entries: BTreeMap<String, u64>,
     durable: BTreeMap<String, u64>,
     pending: Vec<DirOp>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum DirOp {
     Link {
         name: String,
@@ -348,10 +360,18 @@ impl SimFs {
     /// Simulates a power loss: for every file and directory, `keep(n)` (clamped to `n`) of its
     /// `n` pending operations survive, in order; the rest are forgotten. Open handles stop
     /// working. `keep = |_| 0` is the harshest outcome, `|n| n` a clean shutdown.
+    ///
+    /// If a crash point armed with [`SimFs::arm_crash_after`] was reached, the machine lost
+    /// power *there*: operations from that point on never happened.
     pub fn power_loss(&self, keep: &mut dyn FnMut(usize) -> usize) -> PowerLossReport {
         let mut st = self.lock();
         let mut report = PowerLossReport::default();
         st.epoch += 1;
+        st.crash_in = None;
+        if let Some(image) = st.crash_image.take() {
+            st.inodes = image.inodes;
+            st.dirs = image.dirs;
+        }
         for dir in st.dirs.values_mut() {
             let k = keep(dir.pending.len()).min(dir.pending.len());
             for op in dir.pending.drain(..k) {
@@ -389,6 +409,29 @@ impl SimFs {
         report
     }
 
+    /// Arms a crash point: the power fails just before the mutating operation (write, size
+    /// change, creation, rename, deletion, fsync) numbered `ops` from now (0 = the next one).
+    /// Operations go on working in memory, as a process does not notice; the caller then calls
+    /// [`SimFs::power_loss`] if [`SimFs::crash_point_reached`], which restores the machine as it
+    /// was at that point, or [`SimFs::disarm`].
+    pub fn arm_crash_after(&self, ops: u64) {
+        let mut st = self.lock();
+        st.crash_in = Some(ops);
+        st.crash_image = None;
+    }
+
+    /// Whether the armed crash point was reached.
+    pub fn crash_point_reached(&self) -> bool {
+        self.lock().crash_image.is_some()
+    }
+
+    /// Cancels an armed crash point that was not reached.
+    pub fn disarm(&self) {
+        let mut st = self.lock();
+        st.crash_in = None;
+        st.crash_image = None;
+    }
+
     /// Number of file fsyncs and directory fsyncs so far.
     pub fn sync_counts(&self) -> (u64, u64) {
         let st = self.lock();
@@ -415,6 +458,21 @@ impl SimFs {
 }
 
 impl SimState {
+    /// Called before every mutating operation: takes the crash image at the armed point.
+    fn before_mutation(&mut self) {
+        match self.crash_in {
+            Some(0) => {
+                self.crash_in = None;
+                self.crash_image = Some(CrashImage {
+                    inodes: self.inodes.clone(),
+                    dirs: self.dirs.clone(),
+                });
+            }
+            Some(n) => self.crash_in = Some(n - 1),
+            None => {}
+        }
+    }
+
     fn dir(&self, dir: &Path) -> io::Result<&Dir> {
         self.dirs.get(dir).ok_or_else(|| not_found(dir))
     }
@@ -433,6 +491,8 @@ impl SimState {
     }
 
     fn dir_op(&mut self, dir: &Path, op: DirOp) -> io::Result<()> {
+        self.dir_mut(dir)?;
+        self.before_mutation();
         let d = self.dir_mut(dir)?;
         op.apply(&mut d.entries);
         d.pending.push(op);
@@ -446,6 +506,7 @@ impl FileSystem for SimFs {
         let epoch = st.epoch;
         let ino = match (st.lookup(path), mode) {
             (Ok(ino), OpenMode::CreateTruncate) => {
+                st.before_mutation();
                 let inode = st.inodes.get_mut(&ino).expect("linked inode exists");
                 let op = FileOp::SetLen(0);
                 op.apply(&mut inode.data);
@@ -520,6 +581,8 @@ impl FileSystem for SimFs {
 
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
         let mut st = self.lock();
+        st.dir_mut(path)?;
+        st.before_mutation();
         st.dir_fsyncs += 1;
         let d = st.dir_mut(path)?;
         for op in d.pending.drain(..) {
@@ -556,6 +619,7 @@ impl SimFile {
             ));
         }
         self.with_inode(|st, ino| {
+            st.before_mutation();
             let inode = st.inodes.get_mut(&ino).expect("checked");
             op.apply(&mut inode.data);
             inode.pending.push(op);
@@ -588,6 +652,7 @@ impl FileHandle for SimFile {
 
     fn sync(&self, _kind: SyncKind) -> io::Result<()> {
         self.with_inode(|st, ino| {
+            st.before_mutation();
             st.fsyncs += 1;
             let inode = st.inodes.get_mut(&ino).expect("checked");
             for op in inode.pending.drain(..) {
@@ -736,5 +801,41 @@ mod tests {
             ro.write_all_at(b"x", 0).unwrap_err().kind(),
             io::ErrorKind::PermissionDenied
         );
+    }
+
+    #[test]
+    fn a_crash_point_restores_the_machine_as_it_was_there() {
+        let (sim, fs) = sim();
+        let f = fs
+            .open(Path::new("/d/c"), OpenMode::CreateTruncate)
+            .unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        f.write_all_at(b"v1", 0).unwrap();
+        f.sync(SyncKind::All).unwrap();
+        // Power fails just before the second operation from here: the write happened, its
+        // fsync did not, whatever the process did afterwards.
+        sim.arm_crash_after(1);
+        f.write_all_at(b"v2", 0).unwrap();
+        assert!(!sim.crash_point_reached());
+        f.sync(SyncKind::All).unwrap();
+        assert!(sim.crash_point_reached());
+        fs.rename(Path::new("/d/c"), Path::new("/d/renamed"))
+            .unwrap();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        sim.power_loss(&mut |n| n);
+        assert_eq!(
+            read_all(&fs, "/d/c").unwrap(),
+            b"v2",
+            "pending write kept (n of n)"
+        );
+        assert!(!fs.exists(Path::new("/d/renamed")));
+
+        sim.arm_crash_after(5);
+        fs.remove_file(Path::new("/d/c")).unwrap();
+        assert!(!sim.crash_point_reached());
+        sim.disarm();
+        fs.sync_dir(Path::new("/d")).unwrap();
+        sim.power_loss(&mut |_| 0);
+        assert!(!fs.exists(Path::new("/d/c")));
     }
 }
