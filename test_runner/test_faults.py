@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, lsn_int
+from fixtures.tools import before, receivewal
 
 
 def spawn_proposer(sk, ack_log, *args: str) -> subprocess.Popen:
@@ -82,6 +83,13 @@ def test_disk_full_fails_appends_keeps_serving_and_resumes(safekeeper_factory, t
     assert requests.get(f"{sk.http}/v1/status", timeout=5).ok
     t = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()[0]
     assert lsn_int(t["flush_lsn"]) >= stalled
+    # ... and serves committed WAL to a real reader while the disk is full.
+    recv = tmp_path / "recv"
+    recv.mkdir()
+    out = receivewal(sk, recv, "--endpos", before(t["commit_lsn"]))
+    assert out.returncode == 0, out.stderr
+    received = sum(p.stat().st_size for p in recv.iterdir())
+    assert received > 0, list(recv.iterdir())
     # Space returns: the proposer's reconnects succeed and it finishes.
     failpoint(sk, "wal-write-enospc", False)
     out, err = wp.communicate(timeout=120)

@@ -11,26 +11,10 @@ import subprocess
 import pytest
 import requests
 
-from fixtures.daemon import fmt_lsn, lsn_int, read_wal, timeline_dir, walproposer
-from fixtures.tools import require, require_pg_tool
+from fixtures.daemon import lsn_int, read_wal, timeline_dir, walproposer
+from fixtures.tools import before, receivewal, require, require_pg_tool
 
 SEG = 16 << 20
-
-
-def before(lsn: str) -> str:
-    """pg_receivewal --endpos stops once it has received WAL *past* the position."""
-    return fmt_lsn(lsn_int(lsn) - 1)
-
-
-def receivewal(sk, dest, *extra: str) -> subprocess.CompletedProcess:
-    exe = require("pg_receivewal", "postgresql-client-15")
-    return subprocess.run(
-        [exe, "-D", str(dest), "-h", "127.0.0.1", "-p", str(sk.pg_port), "-U", "postgres"]
-        + ["--no-loop", "-v", *extra],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def waldump_count(directory, start: str, end: str) -> int:
