@@ -33,6 +33,13 @@ use crate::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, T
 use crate::wal::decoder::WalStreamDecoder;
 use crate::wal::format::is_valid_seg_size;
 
+/// Segments are prepared (zero-filled off the ingest path) for timelines whose WAL arrives
+/// slower than this: there commits wait on each `fdatasync`, which is ~25% faster into written
+/// blocks than into a sparse file's (wal-bench `durable_commit`); faster streams batch their
+/// `fdatasync`s, and a second write of every segment would cost them a third of their
+/// bandwidth (`wal_acceptor_throughput`).
+pub const PREPARE_SEGMENTS_BELOW_RATE: u64 = 256 << 20;
+
 /// The acceptor of one timeline over real files.
 pub type Acceptor = SafeKeeper<FileControlStore, WalFileStore>;
 
@@ -104,6 +111,7 @@ impl Timeline {
                 system_id: control.server.system_id,
                 wal_start_lsn: control.local_start_lsn,
                 zero_fill: false,
+                prepare_below_rate: PREPARE_SEGMENTS_BELOW_RATE,
                 fs: Fs::default(),
             },
         )?;
