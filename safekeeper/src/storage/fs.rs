@@ -233,13 +233,60 @@ struct CrashImage {
     dirs: BTreeMap<PathBuf, Dir>,
 }
 
-#[derive(Debug, Default, Clone)]
-struct Inode {
-    data: Vec<u8>,
-    durable: Vec<u8>,
-    /// Applied to `data`, not yet to `durable`.
-    pending: Vec<FileOp>,
+/// A file's content or a directory's entries: what processes see now, what is durable, and
+/// the operations between the two.
+#[derive(Debug, Clone)]
+struct Journaled<T, Op> {
+    current: T,
+    durable: T,
+    /// Applied to `current`, not yet to `durable`.
+    pending: Vec<Op>,
 }
+
+/// An operation on a file's content or a directory's entries.
+trait Operation<T> {
+    fn apply(&self, target: &mut T);
+}
+
+impl<T: Default, Op> Default for Journaled<T, Op> {
+    fn default() -> Self {
+        Journaled {
+            current: T::default(),
+            durable: T::default(),
+            pending: Vec::new(),
+        }
+    }
+}
+
+impl<T: Clone, Op: Operation<T>> Journaled<T, Op> {
+    /// Applies `op` now; it becomes durable at the next [`Journaled::sync`].
+    fn record(&mut self, op: Op) {
+        op.apply(&mut self.current);
+        self.pending.push(op);
+    }
+
+    fn sync(&mut self) {
+        for op in self.pending.drain(..) {
+            op.apply(&mut self.durable);
+        }
+    }
+
+    /// Keeps the first `keep(n)` (at most `n`) of the `n` pending operations and forgets the
+    /// rest; returns how many were kept and lost.
+    fn lose_power(&mut self, keep: &mut dyn FnMut(usize) -> usize) -> (usize, usize) {
+        let n = self.pending.len();
+        let k = keep(n).min(n);
+        for op in self.pending.drain(..k) {
+            op.apply(&mut self.durable);
+        }
+        self.pending.clear();
+        self.current = self.durable.clone();
+        (k, n - k)
+    }
+}
+
+type Inode = Journaled<Vec<u8>, FileOp>;
+type Dir = Journaled<BTreeMap<String, u64>, DirOp>;
 
 #[derive(Debug, Clone)]
 enum FileOp {
@@ -247,7 +294,7 @@ enum FileOp {
     SetLen(u64),
 }
 
-impl FileOp {
+impl Operation<Vec<u8>> for FileOp {
     fn apply(&self, data: &mut Vec<u8>) {
         match self {
             FileOp::Write { off, bytes } => {
@@ -273,13 +320,6 @@ fn set_len(data: &mut Vec<u8>, len: usize) {
     }
 }
 
-#[derive(Debug, Default, Clone)]
-struct Dir {
-    entries: BTreeMap<String, u64>,
-    durable: BTreeMap<String, u64>,
-    pending: Vec<DirOp>,
-}
-
 #[derive(Debug, Clone)]
 enum DirOp {
     Link {
@@ -296,7 +336,7 @@ enum DirOp {
     },
 }
 
-impl DirOp {
+impl Operation<BTreeMap<String, u64>> for DirOp {
     fn apply(&self, entries: &mut BTreeMap<String, u64>) {
         match self {
             DirOp::Link { name, ino } => {
@@ -373,14 +413,9 @@ impl SimFs {
             st.dirs = image.dirs;
         }
         for dir in st.dirs.values_mut() {
-            let k = keep(dir.pending.len()).min(dir.pending.len());
-            for op in dir.pending.drain(..k) {
-                op.apply(&mut dir.durable);
-            }
-            report.dir_ops_kept += k;
-            report.dir_ops_lost += dir.pending.len();
-            dir.pending.clear();
-            dir.entries = dir.durable.clone();
+            let (kept, lost) = dir.lose_power(keep);
+            report.dir_ops_kept += kept;
+            report.dir_ops_lost += lost;
         }
         // Iterate in inode order: the outcome depends only on the caller's choices.
         let mut inos: Vec<u64> = st.inodes.keys().copied().collect();
@@ -396,15 +431,9 @@ impl SimFs {
                 continue;
             }
             let inode = st.inodes.get_mut(&ino).expect("listed above");
-            let n = inode.pending.len();
-            let k = keep(n).min(n);
-            for op in inode.pending.drain(..k) {
-                op.apply(&mut inode.durable);
-            }
-            report.file_ops_kept += k;
-            report.file_ops_lost += n - k;
-            inode.pending.clear();
-            inode.data = inode.durable.clone();
+            let (kept, lost) = inode.lose_power(keep);
+            report.file_ops_kept += kept;
+            report.file_ops_lost += lost;
         }
         report
     }
@@ -437,24 +466,6 @@ impl SimFs {
         let st = self.lock();
         (st.fsyncs, st.dir_fsyncs)
     }
-
-    /// The current content of the file at `path` (what a reader sees now, durable or not).
-    pub fn read_file(&self, path: &Path) -> io::Result<Vec<u8>> {
-        let st = self.lock();
-        let ino = st.lookup(path)?;
-        Ok(st.inodes[&ino].data.clone())
-    }
-
-    /// Replaces the content of the file at `path`, durably (a test corrupting a file).
-    pub fn write_file_durably(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
-        let mut st = self.lock();
-        let ino = st.lookup(path)?;
-        let inode = st.inodes.get_mut(&ino).expect("linked inode exists");
-        inode.pending.clear();
-        inode.data = bytes.to_vec();
-        inode.durable = bytes.to_vec();
-        Ok(())
-    }
 }
 
 impl SimState {
@@ -484,7 +495,7 @@ impl SimState {
     fn lookup(&self, path: &Path) -> io::Result<u64> {
         let (dir, name) = split(path)?;
         self.dir(&dir)?
-            .entries
+            .current
             .get(&name)
             .copied()
             .ok_or_else(|| not_found(path))
@@ -493,9 +504,7 @@ impl SimState {
     fn dir_op(&mut self, dir: &Path, op: DirOp) -> io::Result<()> {
         self.dir_mut(dir)?;
         self.before_mutation();
-        let d = self.dir_mut(dir)?;
-        op.apply(&mut d.entries);
-        d.pending.push(op);
+        self.dir_mut(dir)?.record(op);
         Ok(())
     }
 }
@@ -508,9 +517,7 @@ impl FileSystem for SimFs {
             (Ok(ino), OpenMode::CreateTruncate) => {
                 st.before_mutation();
                 let inode = st.inodes.get_mut(&ino).expect("linked inode exists");
-                let op = FileOp::SetLen(0);
-                op.apply(&mut inode.data);
-                inode.pending.push(op);
+                inode.record(FileOp::SetLen(0));
                 ino
             }
             (Ok(ino), _) => ino,
@@ -571,7 +578,7 @@ impl FileSystem for SimFs {
     }
 
     fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
-        Ok(self.lock().dir(path)?.entries.keys().cloned().collect())
+        Ok(self.lock().dir(path)?.current.keys().cloned().collect())
     }
 
     fn exists(&self, path: &Path) -> bool {
@@ -584,10 +591,7 @@ impl FileSystem for SimFs {
         st.dir_mut(path)?;
         st.before_mutation();
         st.dir_fsyncs += 1;
-        let d = st.dir_mut(path)?;
-        for op in d.pending.drain(..) {
-            op.apply(&mut d.durable);
-        }
+        st.dir_mut(path)?.sync();
         Ok(())
     }
 }
@@ -620,9 +624,7 @@ impl SimFile {
         }
         self.with_inode(|st, ino| {
             st.before_mutation();
-            let inode = st.inodes.get_mut(&ino).expect("checked");
-            op.apply(&mut inode.data);
-            inode.pending.push(op);
+            st.inodes.get_mut(&ino).expect("checked").record(op);
             Ok(())
         })
     }
@@ -631,7 +633,7 @@ impl SimFile {
 impl FileHandle for SimFile {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
         self.with_inode(|st, ino| {
-            let data = &st.inodes[&ino].data;
+            let data = &st.inodes[&ino].current;
             let off = (off as usize).min(data.len());
             let n = buf.len().min(data.len() - off);
             buf[..n].copy_from_slice(&data[off..off + n]);
@@ -654,10 +656,7 @@ impl FileHandle for SimFile {
         self.with_inode(|st, ino| {
             st.before_mutation();
             st.fsyncs += 1;
-            let inode = st.inodes.get_mut(&ino).expect("checked");
-            for op in inode.pending.drain(..) {
-                op.apply(&mut inode.durable);
-            }
+            st.inodes.get_mut(&ino).expect("checked").sync();
             Ok(())
         })
     }
@@ -674,6 +673,14 @@ mod tests {
         (sim, fs)
     }
 
+    fn create(fs: &Fs, path: &str) -> Box<dyn FileHandle> {
+        fs.open(Path::new(path), OpenMode::CreateTruncate).unwrap()
+    }
+
+    fn sync_dir(fs: &Fs) {
+        fs.sync_dir(Path::new("/d")).unwrap();
+    }
+
     fn read_all(fs: &Fs, path: &str) -> io::Result<Vec<u8>> {
         let f = fs.open(Path::new(path), OpenMode::Read)?;
         let mut buf = vec![0; 1 << 16];
@@ -685,10 +692,8 @@ mod tests {
     #[test]
     fn unsynced_writes_are_lost_synced_ones_kept() {
         let (sim, fs) = sim();
-        let f = fs
-            .open(Path::new("/d/a"), OpenMode::CreateTruncate)
-            .unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        let f = create(&fs, "/d/a");
+        sync_dir(&fs);
         f.write_all_at(b"durable", 0).unwrap();
         f.sync(SyncKind::Data).unwrap();
         f.write_all_at(b"-lost", 7).unwrap();
@@ -703,10 +708,8 @@ mod tests {
     #[test]
     fn a_power_loss_keeps_a_prefix_of_unsynced_writes() {
         let (sim, fs) = sim();
-        let f = fs
-            .open(Path::new("/d/a"), OpenMode::CreateTruncate)
-            .unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        let f = create(&fs, "/d/a");
+        sync_dir(&fs);
         for (i, piece) in [b"one", b"two", b"six"].iter().enumerate() {
             f.write_all_at(*piece, 3 * i as u64).unwrap();
         }
@@ -717,15 +720,11 @@ mod tests {
     #[test]
     fn a_rename_is_durable_only_after_the_directory_is_synced() {
         let (sim, fs) = sim();
-        let old = fs
-            .open(Path::new("/d/f"), OpenMode::CreateTruncate)
-            .unwrap();
+        let old = create(&fs, "/d/f");
         old.write_all_at(b"old", 0).unwrap();
         old.sync(SyncKind::All).unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
-        let new = fs
-            .open(Path::new("/d/f.tmp"), OpenMode::CreateTruncate)
-            .unwrap();
+        sync_dir(&fs);
+        let new = create(&fs, "/d/f.tmp");
         new.write_all_at(b"new", 0).unwrap();
         new.sync(SyncKind::All).unwrap();
         fs.rename(Path::new("/d/f.tmp"), Path::new("/d/f")).unwrap();
@@ -738,13 +737,11 @@ mod tests {
         assert!(!fs.exists(Path::new("/d/f.tmp")));
 
         // With it, the rename survives.
-        let new = fs
-            .open(Path::new("/d/f.tmp"), OpenMode::CreateTruncate)
-            .unwrap();
+        let new = create(&fs, "/d/f.tmp");
         new.write_all_at(b"new", 0).unwrap();
         new.sync(SyncKind::All).unwrap();
         fs.rename(Path::new("/d/f.tmp"), Path::new("/d/f")).unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        sync_dir(&fs);
         sim.power_loss(&mut |_| 0);
         assert_eq!(read_all(&fs, "/d/f").unwrap(), b"new");
         assert_eq!(fs.list_dir(Path::new("/d")).unwrap(), vec!["f".to_string()]);
@@ -753,9 +750,7 @@ mod tests {
     #[test]
     fn a_synced_file_whose_entry_is_not_synced_disappears() {
         let (sim, fs) = sim();
-        let f = fs
-            .open(Path::new("/d/seg"), OpenMode::CreateTruncate)
-            .unwrap();
+        let f = create(&fs, "/d/seg");
         f.write_all_at(&[7; 100], 0).unwrap();
         f.sync(SyncKind::All).unwrap();
         sim.power_loss(&mut |_| 0);
@@ -770,15 +765,14 @@ mod tests {
     #[test]
     fn deletions_are_undone_unless_synced() {
         let (sim, fs) = sim();
-        fs.open(Path::new("/d/x"), OpenMode::CreateTruncate)
-            .unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        create(&fs, "/d/x");
+        sync_dir(&fs);
         fs.remove_file(Path::new("/d/x")).unwrap();
         assert!(!fs.exists(Path::new("/d/x")));
         sim.power_loss(&mut |_| 0);
         assert!(fs.exists(Path::new("/d/x")));
         fs.remove_file(Path::new("/d/x")).unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        sync_dir(&fs);
         sim.power_loss(&mut |_| 0);
         assert!(!fs.exists(Path::new("/d/x")));
     }
@@ -786,10 +780,8 @@ mod tests {
     #[test]
     fn size_changes_follow_the_same_rules() {
         let (sim, fs) = sim();
-        let f = fs
-            .open(Path::new("/d/s"), OpenMode::CreateTruncate)
-            .unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        let f = create(&fs, "/d/s");
+        sync_dir(&fs);
         f.set_len(4096).unwrap();
         f.sync(SyncKind::All).unwrap();
         f.write_all_at(&[1; 10], 5000).unwrap();
@@ -806,10 +798,8 @@ mod tests {
     #[test]
     fn a_crash_point_restores_the_machine_as_it_was_there() {
         let (sim, fs) = sim();
-        let f = fs
-            .open(Path::new("/d/c"), OpenMode::CreateTruncate)
-            .unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        let f = create(&fs, "/d/c");
+        sync_dir(&fs);
         f.write_all_at(b"v1", 0).unwrap();
         f.sync(SyncKind::All).unwrap();
         // Power fails just before the second operation from here: the write happened, its
@@ -821,7 +811,7 @@ mod tests {
         assert!(sim.crash_point_reached());
         fs.rename(Path::new("/d/c"), Path::new("/d/renamed"))
             .unwrap();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        sync_dir(&fs);
         sim.power_loss(&mut |n| n);
         assert_eq!(
             read_all(&fs, "/d/c").unwrap(),
@@ -834,7 +824,7 @@ mod tests {
         fs.remove_file(Path::new("/d/c")).unwrap();
         assert!(!sim.crash_point_reached());
         sim.disarm();
-        fs.sync_dir(Path::new("/d")).unwrap();
+        sync_dir(&fs);
         sim.power_loss(&mut |_| 0);
         assert!(!fs.exists(Path::new("/d/c")));
     }
