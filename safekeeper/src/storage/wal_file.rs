@@ -407,15 +407,13 @@ impl WalFileStore {
         let fs = &opts.fs;
         fs.create_dir_all(&dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        match fs.remove_file(&dir.join(TMP_SEGMENT_NAME)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("removing a leftover waltmp", e)),
-        }
-        match fs.remove_file(&dir.join(PREPARED_SEGMENT_NAME)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("removing a leftover walprep", e)),
+        // Half-made segments of a previous run.
+        for name in [TMP_SEGMENT_NAME, PREPARED_SEGMENT_NAME] {
+            match fs.remove_file(&dir.join(name)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(format!("removing a leftover {name}"), e)),
+            }
         }
         let end = if commit_lsn.is_valid() {
             let end = find_end_of_wal(fs, &dir, seg_size, commit_lsn, opts.wal_start_lsn)?;
@@ -924,6 +922,26 @@ mod tests {
         WalFileStore::open(dir, SEG, commit, opts())
     }
 
+    /// Reopens the store in `dir` from `commit` and checks that it recovers exactly `bytes`
+    /// (the WAL from `start`) as durable.
+    fn assert_recovers(dir: &Path, commit: Lsn, o: WalFileOptions, start: Lsn, bytes: &[u8]) {
+        let end = Lsn(start.0 + bytes.len() as u64);
+        let s = WalFileStore::open(dir, SEG, commit, o).unwrap();
+        assert_eq!(s.flush_lsn(), end);
+        let mut back = Vec::new();
+        s.read_wal(start, end, &mut back).unwrap();
+        assert_eq!(back, bytes);
+    }
+
+    /// A simulated file system holding the empty directory `/tl`.
+    fn sim_dir() -> (std::sync::Arc<crate::storage::fs::SimFs>, &'static Path) {
+        use crate::storage::fs::FileSystem;
+        let sim = crate::storage::fs::SimFs::new();
+        let dir = Path::new("/tl");
+        sim.create_dir_all(dir).unwrap();
+        (sim, dir)
+    }
+
     #[test]
     fn written_and_flushed_wal_survives_reopen() {
         let dir = tempfile::tempdir().unwrap();
@@ -937,11 +955,7 @@ mod tests {
         s.flush_wal().unwrap();
         assert_eq!(s.flush_lsn(), end);
         drop(s);
-        let s = reopen(dir.path(), pos[1].end).unwrap();
-        assert_eq!(s.flush_lsn(), end);
-        let mut back = Vec::new();
-        s.read_wal(start, end, &mut back).unwrap();
-        assert_eq!(back, bytes);
+        assert_recovers(dir.path(), pos[1].end, opts(), start, &bytes);
     }
 
     /// On a file system that forgets un-synced directory entries (promise 1): WAL flushed
@@ -950,10 +964,7 @@ mod tests {
     /// segments vanish and the reopen finds nothing.
     #[test]
     fn flushed_wal_survives_power_loss_that_forgets_unsynced_directory_entries() {
-        use crate::storage::fs::{FileSystem, SimFs};
-        let sim = SimFs::new();
-        let dir = Path::new("/tl");
-        sim.create_dir_all(dir).unwrap();
+        let (sim, dir) = sim_dir();
         let o = WalFileOptions {
             fs: Fs::sim(sim.clone()),
             ..opts()
@@ -971,11 +982,7 @@ mod tests {
         s.write_wal(end, &all[bytes.len()..]).unwrap();
         drop(s);
         sim.power_loss(&mut |_| 0);
-        let s = WalFileStore::open(dir, SEG, pos[0].end, o).unwrap();
-        assert_eq!(s.flush_lsn(), end);
-        let mut back = Vec::new();
-        s.read_wal(start, end, &mut back).unwrap();
-        assert_eq!(back, bytes);
+        assert_recovers(dir, pos[0].end, o, start, bytes);
     }
 
     /// Writes `records` of `bytes` (WAL from `start`) one per call, waiting after each for a
@@ -1030,11 +1037,7 @@ mod tests {
                 "{blocks} bytes allocated, rate {rate}"
             );
             drop(s);
-            let s = WalFileStore::open(dir.path(), SEG, pos[0].end, o).unwrap();
-            assert_eq!(s.flush_lsn(), end);
-            let mut back = Vec::new();
-            s.read_wal(start, end, &mut back).unwrap();
-            assert_eq!(back, bytes);
+            assert_recovers(dir.path(), pos[0].end, o, start, &bytes);
         }
     }
 
@@ -1042,10 +1045,8 @@ mod tests {
     /// prepared segments survives the harshest power loss on the simulated file system.
     #[test]
     fn flushed_wal_in_prepared_segments_survives_power_loss() {
-        use crate::storage::fs::{FileSystem, SimFs};
-        let sim = SimFs::new();
-        let dir = Path::new("/tl");
-        sim.create_dir_all(dir).unwrap();
+        use crate::storage::fs::FileSystem;
+        let (sim, dir) = sim_dir();
         let o = WalFileOptions {
             prepare_below_rate: u64::MAX,
             fs: Fs::sim(sim.clone()),
@@ -1060,11 +1061,7 @@ mod tests {
         assert_eq!(s.flush_lsn(), end);
         drop(s);
         sim.power_loss(&mut |_| 0);
-        let s = WalFileStore::open(dir, SEG, pos[0].end, o).unwrap();
-        assert_eq!(s.flush_lsn(), end);
-        let mut back = Vec::new();
-        s.read_wal(start, end, &mut back).unwrap();
-        assert_eq!(back, bytes);
+        assert_recovers(dir, pos[0].end, o, start, &bytes);
         assert!(
             !sim.exists(&dir.join(PREPARED_SEGMENT_NAME)),
             "leftover removed at open"
