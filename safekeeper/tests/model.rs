@@ -292,22 +292,45 @@ fn next_record_start(end: Lsn, seg: u32) -> Lsn {
 /// `(start, end)` of every record of `wal` (WAL beginning at `wal_start`); panics naming `who`
 /// if it does not decode to its end.
 fn records(wal: &[u8], wal_start: Lsn, seg: u32, who: &str) -> Vec<(Lsn, Lsn)> {
-    let mut out = Vec::new();
-    let mut start = next_record_start(wal_start, seg);
-    let mut decoder = WalStreamDecoder::new(wal_start, seg as u64);
-    decoder
-        .feed_with(wal, |end| {
-            out.push((start, end));
-            start = next_record_start(end, seg);
-        })
-        .unwrap_or_else(|e| panic!("{who}: WAL does not decode: {e}"));
-    let end = Lsn(wal_start.0 + wal.len() as u64);
-    assert_eq!(
-        decoder.last_record_end(),
-        end,
-        "{who}: WAL ends in the middle of a record"
-    );
-    out
+    RecordWalker::new(wal_start, seg).feed(wal, who)
+}
+
+/// Finds record boundaries in WAL fed piece by piece.
+struct RecordWalker {
+    seg: u32,
+    decoder: WalStreamDecoder,
+    /// Start of the next record.
+    next_start: Lsn,
+}
+
+impl RecordWalker {
+    fn new(wal_start: Lsn, seg: u32) -> RecordWalker {
+        RecordWalker {
+            seg,
+            decoder: WalStreamDecoder::new(wal_start, seg as u64),
+            next_start: next_record_start(wal_start, seg),
+        }
+    }
+
+    /// `(start, end)` of the records completed by `wal` (the bytes after those fed before);
+    /// panics naming `who` if they do not decode or stop in the middle of a record.
+    fn feed(&mut self, wal: &[u8], who: &str) -> Vec<(Lsn, Lsn)> {
+        let mut out = Vec::new();
+        let seg = self.seg;
+        let next_start = &mut self.next_start;
+        self.decoder
+            .feed_with(wal, |end| {
+                out.push((*next_start, end));
+                *next_start = next_record_start(end, seg);
+            })
+            .unwrap_or_else(|e| panic!("{who}: WAL does not decode: {e}"));
+        assert_eq!(
+            self.decoder.last_record_end(),
+            self.decoder.lsn(),
+            "{who}: WAL ends in the middle of a record"
+        );
+        out
+    }
 }
 
 /// The term of the record at `start` of `wal` (WAL beginning at `wal_start`): stamped in its
@@ -462,13 +485,12 @@ struct Cluster<B: Backend> {
     stats: Stats,
 }
 
-/// A checked prefix of an acceptor's durable WAL and the decoder positioned after it.
+/// A checked prefix of an acceptor's durable WAL and where its checking stopped.
 struct LogCheck {
     bytes: Vec<u8>,
     hist: TermHistory,
-    decoder: WalStreamDecoder,
-    /// Start of the next record.
-    next_start: Lsn,
+    /// Positioned after `bytes`.
+    walker: RecordWalker,
     last_term: Term,
 }
 
@@ -1163,22 +1185,14 @@ impl<B: Backend> Cluster<B> {
         let mut c = cached.unwrap_or_else(|| LogCheck {
             bytes: Vec::new(),
             hist: hist.clone(),
-            decoder: WalStreamDecoder::new(B::START, B::SEG as u64),
-            next_start: next_record_start(B::START, B::SEG),
+            walker: RecordWalker::new(B::START, B::SEG),
             last_term: Term(0),
         });
         let from = c.bytes.len();
-        let mut ends = Vec::new();
-        c.decoder
-            .feed_with(&durable[from..], |end| ends.push(end))
-            .unwrap_or_else(|e| panic!("a{a}: durable WAL does not decode: {e}"));
-        assert_eq!(
-            c.decoder.last_record_end(),
-            Lsn(B::START.0 + durable.len() as u64),
-            "a{a}: durable WAL ends in the middle of a record"
-        );
-        for end in ends {
-            let lsn = c.next_start;
+        for (lsn, _end) in c
+            .walker
+            .feed(&durable[from..], &format!("a{a}'s durable WAL"))
+        {
             let rec_term = record_term(durable, B::START, lsn);
             let by_history = hist.0.iter().rev().find(|e| e.lsn <= lsn).map(|e| e.term);
             assert_eq!(
@@ -1188,7 +1202,6 @@ impl<B: Backend> Cluster<B> {
             );
             assert!(rec_term >= c.last_term, "a{a}: log terms decrease at {lsn}");
             c.last_term = rec_term;
-            c.next_start = next_record_start(end, B::SEG);
         }
         c.bytes.extend_from_slice(&durable[from..]);
         self.log_check[a] = Some(c);
