@@ -21,7 +21,7 @@
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};
@@ -148,36 +148,23 @@ fn write_flush(c: &mut Criterion) {
     ] {
         for size in [8 * KIB, 128 * KIB] {
             let dir = tempfile::tempdir_in(bench_dir()).unwrap();
-            let start = Lsn(seg_size);
             let opts = WalFileOptions {
                 zero_fill,
                 ..Default::default()
             };
-            let mut store = WalFileStore::open(dir.path(), seg_size, Lsn::INVALID, opts).unwrap();
-            store.initialize_first_segment(start).unwrap();
-            store.truncate_wal(start).unwrap();
-            let mut generator = WalGenerator::new(1, seg_size, start).unwrap();
-            let message = vec![0x5Au8; 1000];
-            let mut pending: Vec<u8> = Vec::with_capacity(4 * MIB);
-            let mut consumed = 0usize;
+            let mut store = bench_store(dir.path(), seg_size, opts);
+            let mut feed = WalFeed::new(seg_size);
             g.throughput(Throughput::Bytes(size as u64));
             g.bench_function(BenchmarkId::new(label, size), |b| {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
-                        if pending.len() - consumed < size {
-                            pending.drain(..consumed);
-                            consumed = 0;
-                            generator.fill(&mut pending, 2 * MIB, &message);
-                        }
+                        let wal = feed.next(size);
                         let lsn = store.write_lsn();
                         let t = Instant::now();
-                        store
-                            .write_wal(lsn, &pending[consumed..consumed + size])
-                            .unwrap();
+                        store.write_wal(lsn, wal).unwrap();
                         store.flush_wal().unwrap();
                         total += t.elapsed();
-                        consumed += size;
                     }
                     total
                 })
@@ -189,41 +176,69 @@ fn write_flush(c: &mut Criterion) {
     g.finish();
 }
 
+/// A WAL store in `dir` holding nothing, ready for WAL at the start of its second segment.
+fn bench_store(dir: &Path, seg_size: u64, opts: WalFileOptions) -> WalFileStore {
+    let start = Lsn(seg_size);
+    let mut store = WalFileStore::open(dir, seg_size, Lsn::INVALID, opts).unwrap();
+    store.initialize_first_segment(start).unwrap();
+    store.truncate_wal(start).unwrap();
+    store
+}
+
+/// Generated WAL (1000-byte messages) for a [`bench_store`], handed out in pieces of any size
+/// that continue each other; generated 2 MiB at a time, outside the timed part.
+struct WalFeed {
+    generator: WalGenerator,
+    message: Vec<u8>,
+    pending: Vec<u8>,
+    consumed: usize,
+}
+
+impl WalFeed {
+    fn new(seg_size: u64) -> WalFeed {
+        WalFeed {
+            generator: WalGenerator::new(1, seg_size, Lsn(seg_size)).unwrap(),
+            message: vec![0x5Au8; 1000],
+            pending: Vec::with_capacity(4 * MIB),
+            consumed: 0,
+        }
+    }
+
+    /// The next `size` bytes of WAL.
+    fn next(&mut self, size: usize) -> &[u8] {
+        if self.pending.len() - self.consumed < size {
+            self.pending.drain(..self.consumed);
+            self.consumed = 0;
+            self.generator
+                .fill(&mut self.pending, 2 * MIB, &self.message);
+        }
+        self.consumed += size;
+        &self.pending[self.consumed - size..self.consumed]
+    }
+}
+
 /// The CPU side of an append: decode + `pwrite` to the page cache, no fsync (`no_sync`).
 fn write_no_sync(c: &mut Criterion) {
     let mut g = c.benchmark_group("write");
     for size in [8 * KIB, 128 * KIB] {
         let dir = tempfile::tempdir_in(bench_dir()).unwrap();
         let seg_size = 16u64 << 20;
-        let start = Lsn(seg_size);
         let opts = WalFileOptions {
             no_sync: true,
             ..Default::default()
         };
-        let mut store = WalFileStore::open(dir.path(), seg_size, Lsn::INVALID, opts).unwrap();
-        store.initialize_first_segment(start).unwrap();
-        store.truncate_wal(start).unwrap();
-        let mut generator = WalGenerator::new(1, seg_size, start).unwrap();
-        let message = vec![0x5Au8; 1000];
-        let mut pending: Vec<u8> = Vec::with_capacity(4 * MIB);
-        let mut consumed = 0usize;
+        let mut store = bench_store(dir.path(), seg_size, opts);
+        let mut feed = WalFeed::new(seg_size);
         g.throughput(Throughput::Bytes(size as u64));
         g.bench_function(BenchmarkId::new("store_no_sync/size", size), |b| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
-                    if pending.len() - consumed < size {
-                        pending.drain(..consumed);
-                        consumed = 0;
-                        generator.fill(&mut pending, 2 * MIB, &message);
-                    }
+                    let wal = feed.next(size);
                     let lsn = store.write_lsn();
                     let t = Instant::now();
-                    store
-                        .write_wal(lsn, &pending[consumed..consumed + size])
-                        .unwrap();
+                    store.write_wal(lsn, wal).unwrap();
                     total += t.elapsed();
-                    consumed += size;
                     // Stay within a few segments: segment creation is part of the cost, disk
                     // space is not.
                     let cur = store.write_lsn().segment_number(seg_size);
