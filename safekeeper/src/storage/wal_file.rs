@@ -134,7 +134,33 @@ fn write_zeros(f: &dyn FileHandle, from: u64, to: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Creates segment `segno` as a zero-filled, full-size `.partial` file, durably.
+/// Creates (or empties) the file `path` as a blank segment of `seg_size` bytes, real zeros or
+/// sparse, durable at full size unless `no_sync`: appends into it later change no file size,
+/// so `fdatasync` is enough for them.
+fn write_blank_segment(
+    fs: &Fs,
+    path: &Path,
+    seg_size: u64,
+    zero_fill: bool,
+    no_sync: bool,
+) -> Result<SegmentFile> {
+    let f = fs
+        .open(path, OpenMode::CreateTruncate)
+        .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+    if zero_fill {
+        write_zeros(&*f, 0, seg_size)
+    } else {
+        f.set_len(seg_size)
+    }
+    .map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
+    if !no_sync {
+        fsync_or_abort(&*f, path, SyncKind::All);
+    }
+    Ok(f)
+}
+
+/// Creates segment `segno` as a blank, full-size `.partial` file ([`write_blank_segment`]) under
+/// a temporary name, renamed in durably.
 fn create_segment(
     dir: &Path,
     segno: u64,
@@ -145,20 +171,7 @@ fn create_segment(
     let tmp = dir.join(TMP_SEGMENT_NAME);
     let path = segment_path(dir, segno, seg_size, true);
     let result = (|| {
-        let f = fs
-            .open(&tmp, OpenMode::CreateTruncate)
-            .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
-        if opts.zero_fill {
-            write_zeros(&*f, 0, seg_size)
-        } else {
-            f.set_len(seg_size)
-        }
-        .map_err(|e| Error::io(format!("sizing {}", tmp.display()), e))?;
-        if !opts.no_sync {
-            // The segment is durable at full size before it is renamed in: later appends
-            // change no file size, so fdatasync is enough for them.
-            fsync_or_abort(&*f, &tmp, SyncKind::All);
-        }
+        let f = write_blank_segment(fs, &tmp, seg_size, opts.zero_fill, opts.no_sync)?;
         durable_rename(fs, &tmp, &path, dir, opts.no_sync)?;
         Ok(f)
     })();
@@ -362,20 +375,6 @@ pub struct WalFileStore {
     opened_at: Option<(u64, std::time::Instant)>,
 }
 
-/// Writes a whole segment of zeros at `path` and makes it durable (the body of the
-/// preparation thread).
-fn prepare_segment(fs: &Fs, path: &Path, seg_size: u64, no_sync: bool) -> Result<()> {
-    let f = fs
-        .open(path, OpenMode::CreateTruncate)
-        .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
-    write_zeros(&*f, 0, seg_size)
-        .map_err(|e| Error::io(format!("zero-filling {}", path.display()), e))?;
-    if !no_sync {
-        fsync_or_abort(&*f, path, SyncKind::All);
-    }
-    Ok(())
-}
-
 impl Drop for WalFileStore {
     fn drop(&mut self) {
         // No thread may write into this directory after the store is gone (a reopened store
@@ -449,16 +448,13 @@ impl WalFileStore {
     }
 
     /// Waits until a segment being prepared is ready (tests make the background deterministic
-    /// with it). Returns whether one is ready to be used.
-    pub fn wait_for_prepared_segment(&self) -> bool {
-        match &self.prep {
-            Some(h) => {
-                while !h.is_finished() {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
-                true
+    /// with it).
+    #[cfg(test)]
+    fn wait_for_prepared_segment(&self) {
+        if let Some(h) = &self.prep {
+            while !h.is_finished() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
             }
-            None => false,
         }
     }
 
@@ -584,7 +580,7 @@ impl WalFileStore {
             // A failed spawn only means no preparation.
             self.prep = std::thread::Builder::new()
                 .name("wal-segment-prep".into())
-                .spawn(move || prepare_segment(&fs, &path, seg_size, no_sync))
+                .spawn(move || write_blank_segment(&fs, &path, seg_size, true, no_sync).map(drop))
                 .ok();
         }
         Ok(created)
