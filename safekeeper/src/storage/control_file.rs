@@ -523,11 +523,9 @@ mod tests {
     /// fsync); without that fsync the old state comes back.
     #[test]
     fn persisted_state_survives_power_loss_that_forgets_unsynced_renames() {
-        use crate::storage::fs::{FileSystem, SimFs};
-        let sim = SimFs::new();
+        use crate::storage::fs::SimFs;
         let dir = Path::new("/tl");
-        sim.create_dir_all(dir).unwrap();
-        let fs = Fs::sim(sim.clone());
+        let (sim, fs) = SimFs::with_dir(dir);
         let mut store = FileControlStore::create_new_in(fs.clone(), dir, sample(), false).unwrap();
         for term in 8..12 {
             let mut s = sample();

@@ -393,6 +393,17 @@ impl SimFs {
         Arc::new(SimFs::default())
     }
 
+    /// A simulated file system holding the (durable, empty) directory `dir`, and an [`Fs`] on
+    /// it (for tests).
+    #[cfg(test)]
+    pub(crate) fn with_dir(dir: &Path) -> (Arc<SimFs>, Fs) {
+        let sim = SimFs::new();
+        sim.create_dir_all(dir)
+            .expect("the simulation creates directories");
+        let fs = Fs::sim(sim.clone());
+        (sim, fs)
+    }
+
     fn lock(&self) -> MutexGuard<'_, SimState> {
         lock(&self.state)
     }
@@ -667,10 +678,7 @@ mod tests {
     use super::*;
 
     fn sim() -> (Arc<SimFs>, Fs) {
-        let sim = SimFs::new();
-        sim.create_dir_all(Path::new("/d")).unwrap();
-        let fs = Fs::sim(sim.clone());
-        (sim, fs)
+        SimFs::with_dir(Path::new("/d"))
     }
 
     fn create(fs: &Fs, path: &str) -> Box<dyn FileHandle> {

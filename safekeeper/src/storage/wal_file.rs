@@ -930,12 +930,10 @@ mod tests {
     }
 
     /// A simulated file system holding the empty directory `/tl`.
-    fn sim_dir() -> (std::sync::Arc<crate::storage::fs::SimFs>, &'static Path) {
-        use crate::storage::fs::FileSystem;
-        let sim = crate::storage::fs::SimFs::new();
+    fn sim_dir() -> (std::sync::Arc<crate::storage::fs::SimFs>, Fs, &'static Path) {
         let dir = Path::new("/tl");
-        sim.create_dir_all(dir).unwrap();
-        (sim, dir)
+        let (sim, fs) = crate::storage::fs::SimFs::with_dir(dir);
+        (sim, fs, dir)
     }
 
     #[test]
@@ -960,11 +958,8 @@ mod tests {
     /// segments vanish and the reopen finds nothing.
     #[test]
     fn flushed_wal_survives_power_loss_that_forgets_unsynced_directory_entries() {
-        let (sim, dir) = sim_dir();
-        let o = WalFileOptions {
-            fs: Fs::sim(sim.clone()),
-            ..opts()
-        };
+        let (sim, fs, dir) = sim_dir();
+        let o = WalFileOptions { fs, ..opts() };
         let start = Lsn(2 * SEG - 3 * 8192);
         let mut s = fresh_with(dir, start, o.clone());
         let (all, pos) = gen_wal(start, &[20_000, 9_000, 30_000, 100, 50]);
@@ -1042,10 +1037,10 @@ mod tests {
     #[test]
     fn flushed_wal_in_prepared_segments_survives_power_loss() {
         use crate::storage::fs::FileSystem;
-        let (sim, dir) = sim_dir();
+        let (sim, fs, dir) = sim_dir();
         let o = WalFileOptions {
             prepare_below_rate: u64::MAX,
-            fs: Fs::sim(sim.clone()),
+            fs,
             ..opts()
         };
         let start = Lsn(SEG + 8192);
