@@ -2,9 +2,10 @@
 //!
 //! jemalloc records raw return addresses. We resolve each distinct address once (with inlined
 //! frames, innermost first, as pprof expects), name functions by their demangled linkage name
-//! (the full path: `safekeeper::wal::Decoder::feed`, not `feed`), and drop the allocator's own
-//! frames from the top of every stack (jemalloc's sampling machinery, `malloc`, Rust's allocator
-//! shims) so that `go tool pprof -top` charges memory to the code that asked for it.
+//! (the full path: `pg_wal::decoder::WalStreamDecoder::feed`, not `feed`), and drop the
+//! allocator's own frames from the top of every stack (jemalloc's sampling machinery, `malloc`,
+//! Rust's allocator shims) so that `go tool pprof -top` charges memory to the code that asked
+//! for it.
 
 use std::collections::HashMap;
 use std::ffi::c_void;

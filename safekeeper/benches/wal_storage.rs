@@ -25,10 +25,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};
+use pg_wal::{WalGenerator, WalStreamDecoder};
 use safekeeper::storage::WalStore;
 use safekeeper::storage::wal_file::{WalFileOptions, WalFileStore};
 use safekeeper::types::Lsn;
-use safekeeper::wal::{WalGenerator, WalStreamDecoder};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * KIB;

@@ -1,8 +1,8 @@
 //! mini-safekeeper: a durable, replicated front of a PostgreSQL write-ahead log.
 //!
 //! Layers, each depending only on those above it:
-//! 1. formats (pure): [`types`], [`wal`] (PostgreSQL WAL pages, records, CRC-32C, a generator and
-//!    a decoder), [`protocol`] (neon's proposer/acceptor protocol v3);
+//! 1. formats (pure): [`types`], the `pg_wal` crate (PostgreSQL WAL pages, records, CRC-32C, a
+//!    generator and a decoder), [`protocol`] (neon's proposer/acceptor protocol v3);
 //! 2. consensus core (pure): [`safekeeper`] (`SafeKeeper::process_msg`), over [`state`], and
 //!    [`registry`] (timelines by id);
 //! 3. storage: [`storage`] (control file, WAL segments, in-memory fakes);
@@ -27,5 +27,4 @@ pub mod state;
 pub mod storage;
 pub mod timeline;
 pub mod types;
-pub mod wal;
 pub mod wal_service;

@@ -22,7 +22,7 @@ use crate::pq::{PqError, pg_now};
 use crate::storage::wal_file::segment_path;
 use crate::timeline::{Positions, Timeline};
 use crate::types::{Lsn, Term};
-use crate::wal::format::xlog_file_name;
+use pg_wal::format::xlog_file_name;
 
 /// Largest XLogData payload (PostgreSQL's `MAX_SEND_SIZE`).
 pub const MAX_SEND_SIZE: u64 = 128 * 1024;

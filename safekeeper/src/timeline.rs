@@ -30,8 +30,8 @@ use crate::storage::durable::fsync_dir;
 use crate::storage::fs::Fs;
 use crate::storage::wal_file::{WalFileOptions, WalFileStore, WalReader};
 use crate::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId};
-use crate::wal::decoder::WalStreamDecoder;
-use crate::wal::format::is_valid_seg_size;
+use pg_wal::decoder::WalStreamDecoder;
+use pg_wal::format::is_valid_seg_size;
 
 /// Segments are prepared (zero-filled off the ingest path) for timelines whose WAL arrives
 /// slower than this: there commits wait on each `fdatasync`, which is ~25% faster into written

@@ -35,6 +35,8 @@ use bytes::{Bytes, BytesMut};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use pg_wal::format::page_header_size;
+use pg_wal::{WalGenerator, WalStreamDecoder};
 use safekeeper::protocol::{
     AcceptorGreeting, AcceptorProposerMessage, AppendRequest, AppendRequestHeader,
     ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
@@ -49,8 +51,6 @@ use safekeeper::storage::{ControlStore, WalStore};
 use safekeeper::types::{
     Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId,
 };
-use safekeeper::wal::format::page_header_size;
-use safekeeper::wal::{WalGenerator, WalStreamDecoder};
 
 const N_ACC: usize = 3;
 const N_PROP: usize = 2;

@@ -8,13 +8,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use pg_wal::format::{PG_TLI, xlog_file_name};
+use pg_wal::{RecordPos, WalGenerator, first_segment_image};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use safekeeper::storage::WalStore;
 use safekeeper::storage::wal_file::{WalFileOptions, WalFileStore};
 use safekeeper::types::Lsn;
-use safekeeper::wal::format::{PG_TLI, xlog_file_name};
-use safekeeper::wal::{RecordPos, WalGenerator, first_segment_image};
 
 fn pg_waldump() -> Option<PathBuf> {
     let bindir = Command::new("pg_config")

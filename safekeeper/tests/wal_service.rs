@@ -5,11 +5,11 @@
 mod common;
 
 use common::*;
+use pg_wal::generator::WalGenerator;
 use safekeeper::pq::PqError;
 use safekeeper::pq::client::{ClientConfig, ClientConn};
 use safekeeper::protocol::AcceptorProposerMessage;
 use safekeeper::types::{Lsn, Term, TermHistory};
-use safekeeper::wal::generator::WalGenerator;
 
 const START: Lsn = Lsn(SEG_SIZE); // 0/1000000: the start of segment 1
 

@@ -22,6 +22,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use criterion::Criterion;
+use pg_wal::WalGenerator;
 use pprof::criterion::{Output, PProfProfiler};
 use safekeeper::protocol::{
     AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
@@ -33,7 +34,6 @@ use safekeeper::timeline::{GlobalTimelines, Timeline};
 use safekeeper::types::{
     Generation, Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TermLsn, TimelineId,
 };
-use safekeeper::wal::WalGenerator;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 

@@ -34,9 +34,9 @@ use crate::protocol::{
 };
 use crate::state::Configuration;
 use crate::types::{Generation, Lsn, TenantTimelineId, Term, TermHistory, TermLsn};
-use crate::wal::decoder::WalStreamDecoder;
-use crate::wal::format::page_header_size;
 use conn::{ConnError, PushReader, PushWriter, SafekeeperAddr, connect_push};
+use pg_wal::decoder::WalStreamDecoder;
+use pg_wal::format::page_header_size;
 
 /// Largest WAL payload of one append (neon's `MAX_SEND_SIZE`).
 pub const MAX_SEND_SIZE: usize = 128 * 1024;

@@ -31,7 +31,7 @@ use crate::pq::client::{ClientConfig, ClientConn};
 use crate::pq::replication::{ReplicationError, ReplicationMessage, StandbyMessage};
 use crate::pq::{BackendMessage, PqError};
 use crate::types::Lsn;
-use crate::wal::format::is_valid_seg_size;
+use pg_wal::format::is_valid_seg_size;
 
 /// Default name of the physical slot on the primary.
 pub const DEFAULT_SLOT: &str = "walproposer";

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use super::{Proposer, ProposerError};
 use crate::types::Lsn;
-use crate::wal::generator::WalGenerator;
+use pg_wal::generator::WalGenerator;
 
 /// What to generate.
 #[derive(Clone, Debug)]

@@ -24,11 +24,11 @@ use super::durable::{SyncKind, durable_rename, fsync_dir, fsync_or_abort};
 use super::fs::{FileHandle, Fs, OpenMode, read_full_at};
 use super::{Error, Result, WalStore};
 use crate::types::Lsn;
-use crate::wal::WalStreamDecoder;
-use crate::wal::format::{
+use pg_wal::WalStreamDecoder;
+use pg_wal::format::first_segment_image;
+use pg_wal::format::{
     PG_TLI, PageHeader, XLOG_PAGE_MAGIC, is_valid_seg_size, parse_xlog_file_name, xlog_file_name,
 };
-use crate::wal::generator::first_segment_image;
 
 /// Temporary name of a segment being created.
 pub const TMP_SEGMENT_NAME: &str = "waltmp";
@@ -876,7 +876,7 @@ mod tests {
     use std::os::unix::fs::FileExt;
 
     use super::*;
-    use crate::wal::{RecordPos, WalGenerator};
+    use pg_wal::{RecordPos, WalGenerator};
 
     const SEG: u64 = 1 << 20;
 

@@ -8,17 +8,16 @@
 //! CRC is computed incrementally, so decoding never allocates and is bounded whatever it is fed.
 //! Errors are values, sticky once returned; nothing here panics on input bytes.
 //!
-//! Not here: reading segment files (see [`crate::storage::wal_file::find_end_of_wal`]) and
+//! Not here: reading segment files (the safekeeper's WAL store recovery, `find_end_of_wal`) and
 //! interpreting record contents.
 
-use crate::types::{Lsn, XLOG_BLCKSZ};
-
-use super::format::{
+use crate::format::{
     LongPageHeader, MAX_RECORD_LEN, PageHeader, RM_XLOG_ID, SIZE_OF_XLOG_LONG_PHD,
     SIZE_OF_XLOG_RECORD, XLOG_PAGE_MAGIC, XLOG_RECORD_CRC_OFFS, XLOG_SWITCH, XLP_ALL_FLAGS,
     XLP_FIRST_IS_CONTRECORD, XLP_LONG_HEADER, XLR_RMGR_INFO_MASK, XLogRecordHeader, is_valid_rmid,
     page_header_size,
 };
+use crate::lsn::{Lsn, XLOG_BLCKSZ};
 
 /// Why decoding stopped. The WAL ends before `lsn` (a record or page start).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -416,7 +415,8 @@ pub fn find_end_of_wal_in(bytes: &[u8], start: Lsn, seg_size: u64) -> (Lsn, Opti
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wal::generator::{RecordPos, WalGenerator, first_segment_image};
+    use crate::format::first_segment_image;
+    use crate::generator::{RecordPos, WalGenerator};
     use proptest::prelude::*;
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
@@ -595,7 +595,7 @@ mod tests {
 
     #[test]
     fn xlog_switch_skips_to_the_next_segment() {
-        use crate::wal::format::{XLogRecordHeader, record_crc};
+        use crate::format::{XLogRecordHeader, record_crc};
         let start = Lsn(SEG);
         let (mut bytes, pos) = wal(start, &[100]);
         let sw_start = pos[0].end;

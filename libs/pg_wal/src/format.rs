@@ -2,8 +2,10 @@
 //! segment sizes and segment file names. All integers are little-endian, as PostgreSQL writes them
 //! on the platforms it supports here.
 //!
-//! Pure encoding and decoding of fixed-size structures. Walking a byte stream is the job of
-//! [`super::decoder`]; producing records is [`super::generator`]'s.
+//! Pure encoding and decoding of fixed-size structures, and [`first_segment_image`]: the page
+//! headers of a segment before a (possibly mid-segment) start of WAL, which a new timeline's
+//! first segment is written with. Walking a byte stream is the job of [`crate::decoder`];
+//! producing records is [`crate::generator`]'s.
 //!
 //! Layouts (PostgreSQL 15, `access/xlog_internal.h`, `access/xlogrecord.h`):
 //! - `XLogPageHeaderData` (24 bytes): `u16 xlp_magic`, `u16 xlp_info`, `u32 xlp_tli`,
@@ -13,7 +15,7 @@
 //! - `XLogRecord` (24 bytes): `u32 xl_tot_len`, `u32 xl_xid`, `u64 xl_prev`, `u8 xl_info`,
 //!   `u8 xl_rmid`, 2 bytes of padding, `u32 xl_crc`.
 
-use crate::types::{Lsn, XLOG_BLCKSZ};
+use crate::lsn::{Lsn, XLOG_BLCKSZ};
 
 /// `XLOG_PAGE_MAGIC` of PostgreSQL 15.
 pub const XLOG_PAGE_MAGIC: u16 = 0xD110;
@@ -247,6 +249,88 @@ pub fn is_valid_rmid(rmid: u8) -> bool {
     rmid <= RM_MAX_BUILTIN_ID || rmid >= RM_MIN_CUSTOM_ID
 }
 
+/// Why WAL (generated, decoded or a first-segment image) cannot start where asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WalStartError {
+    #[error("invalid WAL segment size {0}: must be a power of two in 1 MiB..=1 GiB")]
+    SegSize(u64),
+    #[error("start {0} is not a record boundary: not 8-byte aligned or inside a page header")]
+    Start(Lsn),
+}
+
+/// Checks that `lsn` can be a record boundary (and so a place to start writing or decoding).
+pub fn check_record_boundary(lsn: Lsn, seg_size: u64) -> Result<(), WalStartError> {
+    let page_off = lsn.page_offset() as usize;
+    let hdr = page_header_size(lsn.page_start(), seg_size);
+    if !lsn.0.is_multiple_of(8) || (page_off != 0 && page_off < hdr) {
+        return Err(WalStartError::Start(lsn));
+    }
+    Ok(())
+}
+
+/// The bytes `[segment start, init_lsn)` of the segment holding `init_lsn`, for WAL that begins
+/// at `init_lsn` (which may be mid-segment and mid-page): a long page header at the segment start
+/// and, on the page holding `init_lsn`, a header claiming a continuation record that ends exactly
+/// at `init_lsn` (`XLP_FIRST_IS_CONTRECORD`, `xlp_rem_len`), so `pg_waldump` and PostgreSQL's
+/// `XLogFindNextRecord` find the first record at `init_lsn`. Everything else is zero.
+pub fn first_segment_image(
+    sysid: u64,
+    seg_size: u64,
+    init_lsn: Lsn,
+) -> Result<Vec<u8>, WalStartError> {
+    if !is_valid_seg_size(seg_size) {
+        return Err(WalStartError::SegSize(seg_size));
+    }
+    check_record_boundary(init_lsn, seg_size)?;
+    let seg_off = init_lsn.segment_offset(seg_size) as usize;
+    let mut image = vec![0u8; seg_off];
+    if seg_off == 0 {
+        return Ok(image);
+    }
+    let seg_start = init_lsn.segment_start(seg_size);
+    let page_off = init_lsn.page_offset() as usize;
+    let first_page = seg_off < XLOG_BLCKSZ_USIZE;
+    // Continuation data on init_lsn's page, if init_lsn is past that page's header.
+    let cont = |hdr: usize| -> (u16, u32) {
+        if page_off > hdr {
+            (XLP_FIRST_IS_CONTRECORD, (page_off - hdr) as u32)
+        } else {
+            (0, 0)
+        }
+    };
+    let (info, rem_len) = if first_page {
+        cont(SIZE_OF_XLOG_LONG_PHD)
+    } else {
+        (0, 0)
+    };
+    let long = LongPageHeader {
+        std: PageHeader {
+            magic: XLOG_PAGE_MAGIC,
+            info: XLP_LONG_HEADER | info,
+            tli: PG_TLI,
+            pageaddr: seg_start,
+            rem_len,
+        },
+        sysid,
+        seg_size: seg_size as u32,
+        xlog_blcksz: XLOG_BLCKSZ as u32,
+    };
+    image[..SIZE_OF_XLOG_LONG_PHD].copy_from_slice(&long.encode());
+    if !first_page && page_off != 0 {
+        let (info, rem_len) = cont(SIZE_OF_XLOG_SHORT_PHD);
+        let short = PageHeader {
+            magic: XLOG_PAGE_MAGIC,
+            info,
+            tli: PG_TLI,
+            pageaddr: init_lsn.page_start(),
+            rem_len,
+        };
+        let at = seg_off - page_off;
+        image[at..at + SIZE_OF_XLOG_SHORT_PHD].copy_from_slice(&short.encode());
+    }
+    Ok(image)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,5 +416,24 @@ mod tests {
         assert!(!is_valid_seg_size(1 << 19));
         assert!(!is_valid_seg_size(2 << 30));
         assert!(!is_valid_seg_size(3 << 20));
+    }
+
+    #[test]
+    fn first_segment_image_claims_continuation_up_to_init_lsn() {
+        const SEG: u64 = 1 << 20;
+        let init = Lsn(3 * SEG + 5 * 8192 + 1000);
+        let img = first_segment_image(9, SEG, init).unwrap();
+        assert_eq!(img.len() as u64, init.segment_offset(SEG));
+        let long = LongPageHeader::decode(&img).unwrap();
+        assert_eq!(long.std.pageaddr, Lsn(3 * SEG));
+        assert_eq!(long.std.info, XLP_LONG_HEADER);
+        let short = PageHeader::decode(&img[5 * 8192..]).unwrap();
+        assert_eq!(short.info, XLP_FIRST_IS_CONTRECORD);
+        assert_eq!(short.rem_len, 1000 - 24);
+        let first = first_segment_image(9, SEG, Lsn(SEG + 48)).unwrap();
+        let long = LongPageHeader::decode(&first).unwrap();
+        assert_eq!(long.std.info, XLP_LONG_HEADER | XLP_FIRST_IS_CONTRECORD);
+        assert_eq!(long.std.rem_len, 8);
+        assert!(first_segment_image(9, SEG, Lsn(SEG)).unwrap().is_empty());
     }
 }

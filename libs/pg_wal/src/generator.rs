@@ -4,7 +4,8 @@
 //! The stream has correct page headers (long at each segment start, continuation flags and
 //! `xlp_rem_len` on pages a record spills onto), an `xl_prev` chain, 8-byte record alignment and
 //! PostgreSQL's CRC-32C, so `pg_waldump` accepts it. It can start at any record boundary;
-//! [`first_segment_image`] supplies the bytes of the segment before a mid-segment start.
+//! [`crate::format::first_segment_image`] supplies the bytes of the segment before a mid-segment
+//! start.
 //!
 //! Record layout (`access/xlogrecord.h`, `replication/message.h`): `XLogRecord` (24 bytes), then
 //! the main-data block header (`XLR_BLOCK_ID_DATA_SHORT` + `u8` length, or
@@ -12,27 +13,17 @@
 //! data: `xl_logical_message { u32 dbId; bool transactional; 3 pad; u64 prefix_size;
 //! u64 message_size }`, the prefix with its NUL, and the message.
 //!
-//! Not here: reading WAL back ([`super::decoder`]) and writing it to disk
-//! ([`crate::storage::wal_file`]).
+//! Not here: reading WAL back ([`crate::decoder`]) and writing it to disk (the safekeeper's WAL
+//! store).
 
-use crate::types::{Lsn, XLOG_BLCKSZ};
-
-use super::format::{
+use crate::format::{
     LongPageHeader, MAX_RECORD_LEN, PG_TLI, PageHeader, RM_LOGICALMSG_ID, SIZE_OF_LOGICAL_MESSAGE,
-    SIZE_OF_XLOG_LONG_PHD, SIZE_OF_XLOG_RECORD, SIZE_OF_XLOG_SHORT_PHD, XLOG_BLCKSZ_USIZE,
+    SIZE_OF_XLOG_LONG_PHD, SIZE_OF_XLOG_RECORD, SIZE_OF_XLOG_SHORT_PHD, WalStartError,
     XLOG_LOGICAL_MESSAGE, XLOG_PAGE_MAGIC, XLOG_RECORD_CRC_OFFS, XLP_FIRST_IS_CONTRECORD,
     XLP_LONG_HEADER, XLR_BLOCK_ID_DATA_LONG, XLR_BLOCK_ID_DATA_SHORT, XLogRecordHeader,
-    is_valid_seg_size, page_header_size,
+    check_record_boundary, is_valid_seg_size,
 };
-
-/// Why a generator (or a first-segment image) cannot start where asked.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum GeneratorError {
-    #[error("invalid WAL segment size {0}: must be a power of two in 1 MiB..=1 GiB")]
-    SegSize(u64),
-    #[error("start {0} is not a record boundary: not 8-byte aligned or inside a page header")]
-    Start(Lsn),
-}
+use crate::lsn::{Lsn, XLOG_BLCKSZ};
 
 /// Where one generated record landed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,16 +39,6 @@ pub struct RecordPos {
     pub end: Lsn,
     /// `xl_tot_len`.
     pub tot_len: u32,
-}
-
-/// Checks that `lsn` can be a record boundary (and so a place to start writing or decoding).
-pub fn check_record_boundary(lsn: Lsn, seg_size: u64) -> Result<(), GeneratorError> {
-    let page_off = lsn.page_offset() as usize;
-    let hdr = page_header_size(lsn.page_start(), seg_size);
-    if !lsn.0.is_multiple_of(8) || (page_off != 0 && page_off < hdr) {
-        return Err(GeneratorError::Start(lsn));
-    }
-    Ok(())
 }
 
 /// `xl_tot_len` of a logical message with a `prefix_len`-byte prefix (NUL excluded) and a
@@ -91,9 +72,9 @@ pub struct WalGenerator {
 impl WalGenerator {
     /// A generator whose first record starts at `start` (a record boundary; if `start` is at a
     /// page boundary the page header is generated too) with `xl_prev` = 0.
-    pub fn new(sysid: u64, seg_size: u64, start: Lsn) -> Result<WalGenerator, GeneratorError> {
+    pub fn new(sysid: u64, seg_size: u64, start: Lsn) -> Result<WalGenerator, WalStartError> {
         if !is_valid_seg_size(seg_size) {
-            return Err(GeneratorError::SegSize(seg_size));
+            return Err(WalStartError::SegSize(seg_size));
         }
         check_record_boundary(start, seg_size)?;
         Ok(WalGenerator {
@@ -282,73 +263,10 @@ impl WalGenerator {
     }
 }
 
-/// The bytes `[segment start, init_lsn)` of the segment holding `init_lsn`, for WAL that begins
-/// at `init_lsn` (which may be mid-segment and mid-page): a long page header at the segment start
-/// and, on the page holding `init_lsn`, a header claiming a continuation record that ends exactly
-/// at `init_lsn` (`XLP_FIRST_IS_CONTRECORD`, `xlp_rem_len`), so `pg_waldump` and PostgreSQL's
-/// `XLogFindNextRecord` find the first record at `init_lsn`. Everything else is zero.
-pub fn first_segment_image(
-    sysid: u64,
-    seg_size: u64,
-    init_lsn: Lsn,
-) -> Result<Vec<u8>, GeneratorError> {
-    if !is_valid_seg_size(seg_size) {
-        return Err(GeneratorError::SegSize(seg_size));
-    }
-    check_record_boundary(init_lsn, seg_size)?;
-    let seg_off = init_lsn.segment_offset(seg_size) as usize;
-    let mut image = vec![0u8; seg_off];
-    if seg_off == 0 {
-        return Ok(image);
-    }
-    let seg_start = init_lsn.segment_start(seg_size);
-    let page_off = init_lsn.page_offset() as usize;
-    let first_page = seg_off < XLOG_BLCKSZ_USIZE;
-    // Continuation data on init_lsn's page, if init_lsn is past that page's header.
-    let cont = |hdr: usize| -> (u16, u32) {
-        if page_off > hdr {
-            (XLP_FIRST_IS_CONTRECORD, (page_off - hdr) as u32)
-        } else {
-            (0, 0)
-        }
-    };
-    let (info, rem_len) = if first_page {
-        cont(SIZE_OF_XLOG_LONG_PHD)
-    } else {
-        (0, 0)
-    };
-    let long = LongPageHeader {
-        std: PageHeader {
-            magic: XLOG_PAGE_MAGIC,
-            info: XLP_LONG_HEADER | info,
-            tli: PG_TLI,
-            pageaddr: seg_start,
-            rem_len,
-        },
-        sysid,
-        seg_size: seg_size as u32,
-        xlog_blcksz: XLOG_BLCKSZ as u32,
-    };
-    image[..SIZE_OF_XLOG_LONG_PHD].copy_from_slice(&long.encode());
-    if !first_page && page_off != 0 {
-        let (info, rem_len) = cont(SIZE_OF_XLOG_SHORT_PHD);
-        let short = PageHeader {
-            magic: XLOG_PAGE_MAGIC,
-            info,
-            tli: PG_TLI,
-            pageaddr: init_lsn.page_start(),
-            rem_len,
-        };
-        let at = seg_off - page_off;
-        image[at..at + SIZE_OF_XLOG_SHORT_PHD].copy_from_slice(&short.encode());
-    }
-    Ok(image)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wal::format::{XLP_FIRST_IS_CONTRECORD, record_crc};
+    use crate::format::{XLP_FIRST_IS_CONTRECORD, record_crc};
 
     const SEG: u64 = 1 << 20;
 
@@ -403,23 +321,5 @@ mod tests {
         assert!(WalGenerator::new(1, SEG, Lsn(SEG + 8192 + 24)).is_ok());
         assert!(WalGenerator::new(1, SEG, Lsn(SEG + 44)).is_err());
         assert!(WalGenerator::new(1, 3 << 20, Lsn(0)).is_err());
-    }
-
-    #[test]
-    fn first_segment_image_claims_continuation_up_to_init_lsn() {
-        let init = Lsn(3 * SEG + 5 * 8192 + 1000);
-        let img = first_segment_image(9, SEG, init).unwrap();
-        assert_eq!(img.len() as u64, init.segment_offset(SEG));
-        let long = LongPageHeader::decode(&img).unwrap();
-        assert_eq!(long.std.pageaddr, Lsn(3 * SEG));
-        assert_eq!(long.std.info, XLP_LONG_HEADER);
-        let short = PageHeader::decode(&img[5 * 8192..]).unwrap();
-        assert_eq!(short.info, XLP_FIRST_IS_CONTRECORD);
-        assert_eq!(short.rem_len, 1000 - 24);
-        let first = first_segment_image(9, SEG, Lsn(SEG + 48)).unwrap();
-        let long = LongPageHeader::decode(&first).unwrap();
-        assert_eq!(long.std.info, XLP_LONG_HEADER | XLP_FIRST_IS_CONTRECORD);
-        assert_eq!(long.std.rem_len, 8);
-        assert!(first_segment_image(9, SEG, Lsn(SEG)).unwrap().is_empty());
     }
 }
