@@ -19,9 +19,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Conf;
-use crate::pq::server::ServerConfig;
 use crate::timeline::GlobalTimelines;
 use crate::{http, wal_service};
+use pq_proto::server::ServerConfig;
 
 /// Name of the lock file inside the data directory.
 pub const LOCK_FILE: &str = "safekeeper.lock";

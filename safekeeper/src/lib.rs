@@ -6,17 +6,18 @@
 //! 2. consensus core (pure): [`safekeeper`] (`SafeKeeper::process_msg`), over [`state`], and
 //!    [`registry`] (timelines by id);
 //! 3. storage: [`storage`] (control file, WAL segments, in-memory fakes);
-//! 4. network and tasks (tokio): [`pq`] (our PostgreSQL wire protocol, server and client),
+//! 4. network and tasks (tokio): the `pq_proto` crate (our PostgreSQL wire protocol, server and
+//!    client) and [`command`] (neon's replication commands),
 //!    [`timeline`] (timelines behind locks, the node's registry), [`wal_service`] (the listener),
 //!    [`receive_wal`] (the pipelined WAL acceptor), [`send_wal`] (the walsender);
 //! 5. HTTP: [`http`], [`metrics`]; [`daemon`] ties everything together.
 
+pub mod command;
 pub mod config;
 pub mod daemon;
 pub mod failpoint;
 pub mod http;
 pub mod metrics;
-pub mod pq;
 pub mod proposer;
 pub mod protocol;
 pub mod receive_wal;

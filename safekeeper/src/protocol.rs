@@ -13,7 +13,8 @@
 //! begin_lsn`, a WAL payload of at most [`MAX_SEND_SIZE`], a non-empty member list for a non-zero
 //! generation, unique member ids, and an ordered term history.
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
+use pq_proto::reader::{ReadError, Reader};
 
 use crate::state::{Configuration, SafekeeperId};
 use crate::types::{
@@ -42,26 +43,11 @@ pub enum DecodeError {
     Empty,
     #[error("unknown message tag {0:#04x}")]
     UnknownTag(u8),
-    #[error("message truncated: {field} needs {needed} bytes, {remaining} remain")]
-    Truncated {
-        field: &'static str,
-        needed: usize,
-        remaining: usize,
-    },
-    #[error("{0} trailing bytes after the message")]
-    TrailingBytes(usize),
-    #[error("{field}: no NUL terminator within {max} bytes")]
-    UnterminatedString { field: &'static str, max: usize },
-    #[error("{field}: not UTF-8")]
-    InvalidUtf8 { field: &'static str },
+    /// A field could not be read: truncated, too long, too many, trailing bytes.
+    #[error(transparent)]
+    Read(#[from] ReadError),
     #[error("{field}: invalid id {value:?}")]
     InvalidId { field: &'static str, value: String },
-    #[error("{field}: {count} entries exceed the limit of {max} (or the bytes that remain)")]
-    TooMany {
-        field: &'static str,
-        count: u64,
-        max: usize,
-    },
     #[error("append end_lsn {end} is below begin_lsn {begin}")]
     EndBeforeBegin { begin: Lsn, end: Lsn },
     #[error("append carries {len} bytes of WAL, more than MAX_SEND_SIZE ({max})")]
@@ -266,115 +252,36 @@ pub enum AcceptorProposerMessage {
 // ---------------------------------------------------------------------------------------------
 // Decoding
 
-/// A checked cursor over one frame.
-struct Reader {
-    buf: Bytes,
+/// Protocol v3's composite fields, read with the shared bounded [`Reader`].
+trait ReadProtocol {
+    fn term(&mut self, field: &'static str) -> Result<Term, DecodeError>;
+    fn generation(&mut self) -> Result<Generation, DecodeError>;
+    fn string(&mut self, field: &'static str) -> Result<String, DecodeError>;
+    fn id<T: std::str::FromStr>(&mut self, field: &'static str) -> Result<T, DecodeError>;
+    fn term_history(&mut self) -> Result<TermHistory, DecodeError>;
+    fn members(&mut self, field: &'static str) -> Result<Vec<SafekeeperId>, DecodeError>;
+    fn mconf(&mut self) -> Result<Configuration, DecodeError>;
+    fn pageserver_feedback(&mut self) -> Result<PageserverFeedback, DecodeError>;
 }
 
-impl Reader {
-    fn need(&self, field: &'static str, needed: usize) -> Result<(), DecodeError> {
-        if self.buf.remaining() < needed {
-            return Err(DecodeError::Truncated {
-                field,
-                needed,
-                remaining: self.buf.remaining(),
-            });
-        }
-        Ok(())
-    }
-
-    fn u8(&mut self, field: &'static str) -> Result<u8, DecodeError> {
-        self.need(field, 1)?;
-        Ok(self.buf.get_u8())
-    }
-
-    fn u16(&mut self, field: &'static str) -> Result<u16, DecodeError> {
-        self.need(field, 2)?;
-        Ok(self.buf.get_u16())
-    }
-
-    fn u32(&mut self, field: &'static str) -> Result<u32, DecodeError> {
-        self.need(field, 4)?;
-        Ok(self.buf.get_u32())
-    }
-
-    fn i32(&mut self, field: &'static str) -> Result<i32, DecodeError> {
-        self.need(field, 4)?;
-        Ok(self.buf.get_i32())
-    }
-
-    fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
-        self.need(field, 8)?;
-        Ok(self.buf.get_u64())
-    }
-
-    fn i64(&mut self, field: &'static str) -> Result<i64, DecodeError> {
-        self.need(field, 8)?;
-        Ok(self.buf.get_i64())
-    }
-
-    fn lsn(&mut self, field: &'static str) -> Result<Lsn, DecodeError> {
-        self.u64(field).map(Lsn)
-    }
-
+impl ReadProtocol for Reader {
     fn term(&mut self, field: &'static str) -> Result<Term, DecodeError> {
-        self.u64(field).map(Term)
+        Ok(self.u64(field).map(Term)?)
     }
 
     fn generation(&mut self) -> Result<Generation, DecodeError> {
-        self.u32("generation").map(Generation)
-    }
-
-    /// Zero-copy slice of the next `n` bytes.
-    fn bytes(&mut self, field: &'static str, n: usize) -> Result<Bytes, DecodeError> {
-        self.need(field, n)?;
-        Ok(self.buf.split_to(n))
+        Ok(self.u32("generation").map(Generation)?)
     }
 
     /// A NUL-terminated UTF-8 string of at most [`MAX_CSTR_LEN`] bytes.
-    fn cstr(&mut self, field: &'static str) -> Result<String, DecodeError> {
-        let window = &self.buf[..self.buf.len().min(MAX_CSTR_LEN + 1)];
-        let Some(nul) = window.iter().position(|&b| b == 0) else {
-            if self.buf.len() <= MAX_CSTR_LEN {
-                return Err(DecodeError::Truncated {
-                    field,
-                    needed: self.buf.len() + 1,
-                    remaining: self.buf.len(),
-                });
-            }
-            return Err(DecodeError::UnterminatedString {
-                field,
-                max: MAX_CSTR_LEN,
-            });
-        };
-        let s = std::str::from_utf8(&window[..nul])
-            .map_err(|_| DecodeError::InvalidUtf8 { field })?
-            .to_owned();
-        self.buf.advance(nul + 1);
-        Ok(s)
+    fn string(&mut self, field: &'static str) -> Result<String, DecodeError> {
+        Ok(self.cstr(field, MAX_CSTR_LEN)?)
     }
 
-    /// A count of entries at least `min_entry_bytes` long each, checked against `max` and the
-    /// bytes that remain, so a caller may allocate `count` entries.
-    fn count(
-        &mut self,
-        field: &'static str,
-        max: usize,
-        min_entry_bytes: usize,
-    ) -> Result<usize, DecodeError> {
-        let n = self.u32(field)?;
-        let n_usize = n as usize;
-        let fits = n_usize
-            .checked_mul(min_entry_bytes)
-            .is_some_and(|b| b <= self.buf.remaining());
-        if n_usize > max || !fits {
-            return Err(DecodeError::TooMany {
-                field,
-                count: n as u64,
-                max,
-            });
-        }
-        Ok(n_usize)
+    fn id<T: std::str::FromStr>(&mut self, field: &'static str) -> Result<T, DecodeError> {
+        let s = self.string(field)?;
+        s.parse()
+            .map_err(|_| DecodeError::InvalidId { field, value: s })
     }
 
     fn term_history(&mut self) -> Result<TermHistory, DecodeError> {
@@ -399,7 +306,7 @@ impl Reader {
         let mut members: Vec<SafekeeperId> = Vec::with_capacity(n);
         for _ in 0..n {
             let id = NodeId(self.u64("member id")?);
-            let host = self.cstr("member host")?;
+            let host = self.string("member host")?;
             let pg_port = self.u16("member pg_port")?;
             if members.iter().any(|m| m.id == id) {
                 return Err(DecodeError::DuplicateMember(id));
@@ -423,24 +330,11 @@ impl Reader {
         })
     }
 
-    fn id<T: std::str::FromStr>(&mut self, field: &'static str) -> Result<T, DecodeError> {
-        let s = self.cstr(field)?;
-        s.parse()
-            .map_err(|_| DecodeError::InvalidId { field, value: s })
-    }
-
-    fn finish(self) -> Result<(), DecodeError> {
-        if self.buf.has_remaining() {
-            return Err(DecodeError::TrailingBytes(self.buf.remaining()));
-        }
-        Ok(())
-    }
-
     fn pageserver_feedback(&mut self) -> Result<PageserverFeedback, DecodeError> {
         let mut f = PageserverFeedback::default();
         let nkeys = self.u8("feedback key count")?;
         for _ in 0..nkeys {
-            let key = self.cstr("feedback key")?;
+            let key = self.string("feedback key")?;
             let len = self.i32("feedback value length")?;
             let expect = |expected: i32| {
                 if len == expected {
@@ -487,8 +381,7 @@ impl Reader {
                     let Ok(len) = usize::try_from(len) else {
                         return Err(DecodeError::FeedbackBadLength { key, len });
                     };
-                    self.need("unknown feedback value", len)?;
-                    self.buf.advance(len);
+                    self.skip("unknown feedback value", len)?;
                 }
             }
         }
@@ -500,12 +393,7 @@ fn read_tag(buf: &Bytes) -> Result<(u8, Reader), DecodeError> {
     let Some(&tag) = buf.first() else {
         return Err(DecodeError::Empty);
     };
-    Ok((
-        tag,
-        Reader {
-            buf: buf.slice(1..),
-        },
-    ))
+    Ok((tag, Reader::new(buf.slice(1..))))
 }
 
 impl ProposerAcceptorMessage {
@@ -652,7 +540,7 @@ impl AcceptorProposerMessage {
                     catalog_xmin: r.u64("hs_feedback catalog_xmin")?,
                 };
                 // The feedback block is present iff bytes remain (as walproposer parses it).
-                let pageserver_feedback = if r.buf.has_remaining() {
+                let pageserver_feedback = if r.has_remaining() {
                     Some(r.pageserver_feedback()?)
                 } else {
                     None

@@ -15,14 +15,14 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::metrics;
-use crate::pq::codec::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
-use crate::pq::replication::StandbyMessage;
-use crate::pq::server::{ServerConn, ServerReader, ServerWriter};
-use crate::pq::{PqError, pg_now};
 use crate::storage::wal_file::segment_path;
 use crate::timeline::{Positions, Timeline};
 use crate::types::{Lsn, Term};
 use pg_wal::format::xlog_file_name;
+use pq_proto::replication::StandbyMessage;
+use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
+use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
+use pq_proto::{PqError, pg_now};
 
 /// Largest XLogData payload (PostgreSQL's `MAX_SEND_SIZE`).
 pub const MAX_SEND_SIZE: u64 = 128 * 1024;
@@ -98,7 +98,7 @@ where
             writer.write_message(&BackendMessage::CopyDone);
             writer.write_message(&BackendMessage::CommandComplete("START_STREAMING".into()));
             writer.write_message(&BackendMessage::ReadyForQuery(
-                crate::pq::codec::TransactionStatus::Idle,
+                pq_proto::backend::TransactionStatus::Idle,
             ));
             writer.flush().await?;
             Ok(StreamEnd::CopyDone(reader.unsplit(writer)))

@@ -12,15 +12,16 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::command::{ReplicationCommand, parse_command, parse_options};
 use crate::metrics;
-use crate::pq::PqError;
-use crate::pq::codec::{ErrorFields, FieldDescription, FrontendMessage, sqlstate};
-use crate::pq::command::{ReplicationCommand, parse_command, parse_options};
-use crate::pq::server::{ServerConfig, ServerConn};
 use crate::receive_wal::handle_wal_push;
 use crate::send_wal::{StreamEnd, handle_start_replication};
 use crate::timeline::{GlobalTimelines, Timeline};
 use crate::types::TenantTimelineId;
+use pq_proto::PqError;
+use pq_proto::backend::FieldDescription;
+use pq_proto::server::{ServerConfig, ServerConn};
+use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
 
 /// How long a client may take to finish the startup handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);

@@ -1,18 +1,18 @@
-//! `pq::client` against `pq::server` on loopback (127.0.0.1:0) and in-memory pipes: startup,
+//! `pq_proto::client` against `pq_proto::server` on loopback (127.0.0.1:0) and in-memory pipes: startup,
 //! authentication, result sets, errors, the duplex CopyBoth phase, limits and cancellation.
 
 mod pq_common;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use pq_common::*;
-use safekeeper::pq::PqError;
-use safekeeper::pq::client::{ClientConfig, ClientConn, CopyEvent};
-use safekeeper::pq::codec::{
-    self, BackendMessage, ErrorFields, FrontendMessage, ProtocolError, StartupPacket,
-    StartupParams, sqlstate,
-};
-use safekeeper::pq::replication::{ReplicationMessage, StandbyMessage};
-use safekeeper::pq::server::{ServerConfig, ServerConn};
+use pq_proto::PqError;
+use pq_proto::backend::decode_backend;
+use pq_proto::client::{ClientConfig, ClientConn, CopyEvent};
+use pq_proto::framing::DEFAULT_MAX_MESSAGE_SIZE;
+use pq_proto::frontend::{StartupPacket, StartupParams};
+use pq_proto::replication::{ReplicationMessage, StandbyMessage};
+use pq_proto::server::{ServerConfig, ServerConn};
+use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, ProtocolError, sqlstate};
 use safekeeper::types::Lsn;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -175,7 +175,7 @@ async fn raw_startup(srv: &TestServer, params: Vec<(&str, &str)>) -> ErrorFields
 async fn read_error(s: &mut TcpStream) -> ErrorFields {
     let mut buf = BytesMut::new();
     loop {
-        if let Some(m) = codec::decode_backend(&mut buf, 1 << 20).expect("valid reply") {
+        if let Some(m) = decode_backend(&mut buf, 1 << 20).expect("valid reply") {
             if let BackendMessage::ErrorResponse(e) = m {
                 let mut rest = Vec::new();
                 s.read_to_end(&mut rest).await.expect("read to EOF");
@@ -326,7 +326,7 @@ async fn raw_connect(addr: std::net::SocketAddr) -> TcpStream {
     s.write_all(&b).await.expect("write");
     let mut buf = BytesMut::new();
     loop {
-        while let Some(m) = codec::decode_backend(&mut buf, 1 << 20).expect("valid") {
+        while let Some(m) = decode_backend(&mut buf, 1 << 20).expect("valid") {
             if matches!(m, BackendMessage::ReadyForQuery(_)) {
                 return s;
             }
@@ -369,7 +369,7 @@ async fn copy_both_streams_wal_and_feedback_both_ways() {
                     write: wal_end,
                     flush: wal_end,
                     apply: Lsn(0),
-                    send_time: safekeeper::pq::pg_now(),
+                    send_time: pq_proto::pg_now(),
                     reply_requested: false,
                 });
                 w.flush().await.expect("flush");
@@ -439,13 +439,7 @@ async fn split_halves_echo_large_copy_data_concurrently() {
         .start_copy_both("START_WAL_PUSH (proto_version '3')")
         .await
         .expect("copy both");
-    let sizes = [
-        0usize,
-        1,
-        8192,
-        128 * 1024 + 49,
-        codec::DEFAULT_MAX_MESSAGE_SIZE,
-    ];
+    let sizes = [0usize, 1, 8192, 128 * 1024 + 49, DEFAULT_MAX_MESSAGE_SIZE];
     let sender = tokio::spawn(async move {
         for (i, n) in sizes.iter().enumerate() {
             let mut p = BytesMut::with_capacity(*n);
@@ -553,7 +547,7 @@ async fn protocol_minor_version_above_zero_gets_negotiate_protocol_version() {
     s.write_all(&b).await.expect("write");
     let mut buf = BytesMut::new();
     let first = loop {
-        if let Some(m) = codec::decode_backend(&mut buf, 1 << 20).expect("valid") {
+        if let Some(m) = decode_backend(&mut buf, 1 << 20).expect("valid") {
             break m;
         }
         s.read_buf(&mut buf).await.expect("read");

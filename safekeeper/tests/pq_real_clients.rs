@@ -1,5 +1,5 @@
 //! Real PostgreSQL 15 clients (`psql`, `pg_receivewal`) against a tiny server built from
-//! `pq::server`: proves that our handshake, ParameterStatus values, result sets, errors and
+//! `pq_proto::server`: proves that our handshake, ParameterStatus values, result sets, errors and
 //! CopyBoth stream are accepted by libpq and by pg_receivewal's checks.
 //!
 //! Skipped with a message when the binaries are missing, unless `CI` is set (then they fail).
@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use pq_common::*;
-use safekeeper::pq::server::ServerConfig;
+use pq_proto::server::ServerConfig;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -322,7 +322,7 @@ async fn libpq_clients_pass_options_verbatim_and_send_the_password() {
         ]
     );
     for s in &sent {
-        let o = safekeeper::pq::command::parse_options(s).expect("options parse");
+        let o = safekeeper::command::parse_options(s).expect("options parse");
         assert_eq!(o.tenant_id.map(|t| t.to_string()).as_deref(), Some(TENANT));
         assert_eq!(
             o.timeline_id.map(|t| t.to_string()).as_deref(),

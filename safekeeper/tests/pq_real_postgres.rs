@@ -1,4 +1,4 @@
-//! `pq::client` against a REAL PostgreSQL 15 primary: startup on a replication connection,
+//! `pq_proto::client` against a REAL PostgreSQL 15 primary: startup on a replication connection,
 //! IDENTIFY_SYSTEM / SHOW result sets, START_REPLICATION with XLogData whose first page is the
 //! primary's long page header, status updates, the CopyDone handshake, and the real error text
 //! for a start point beyond the primary's WAL.
@@ -12,10 +12,10 @@ mod pq_common;
 use std::time::Duration;
 
 use pq_common::{PgCluster, SEG_SIZE};
-use safekeeper::pq::PqError;
-use safekeeper::pq::client::{ClientConn, CopyEvent};
-use safekeeper::pq::codec::BackendMessage;
-use safekeeper::pq::replication::{ReplicationMessage, StandbyMessage};
+use pq_proto::BackendMessage;
+use pq_proto::PqError;
+use pq_proto::client::{ClientConn, CopyEvent};
+use pq_proto::replication::{ReplicationMessage, StandbyMessage};
 use safekeeper::types::Lsn;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,7 +97,7 @@ async fn client_streams_wal_from_a_real_postgres_primary() {
         write: next,
         flush: next,
         apply: Lsn(0),
-        send_time: safekeeper::pq::pg_now(),
+        send_time: pq_proto::pg_now(),
         reply_requested: false,
     });
     w.flush().await.expect("status update");

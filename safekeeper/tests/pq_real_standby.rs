@@ -1,7 +1,7 @@
 //! The whole chain with real PostgreSQL on both ends and our protocol layer in the middle:
 //!
 //! ```text
-//! real PG15 primary --(pq::client)--> relay --(pq::server)--> real PG15 hot standby
+//! real PG15 primary --(pq_proto::client)--> relay --(pq_proto::server)--> real PG15 hot standby
 //! ```
 //!
 //! The relay answers the standby's IDENTIFY_SYSTEM with the primary's answer and, on
@@ -15,12 +15,12 @@ mod pq_common;
 use std::time::Duration;
 
 use pq_common::{Log, PgCluster};
-use safekeeper::pq::PqError;
-use safekeeper::pq::client::{ClientConfig, ClientConn, CopyEvent};
-use safekeeper::pq::codec::{ErrorFields, FrontendMessage, sqlstate};
-use safekeeper::pq::command::{ReplicationCommand, parse_command};
-use safekeeper::pq::replication::{ReplicationMessage, StandbyMessage};
-use safekeeper::pq::server::{ServerConfig, ServerConn};
+use pq_proto::PqError;
+use pq_proto::client::{ClientConfig, ClientConn, CopyEvent};
+use pq_proto::replication::{ReplicationMessage, StandbyMessage};
+use pq_proto::server::{ServerConfig, ServerConn};
+use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
+use safekeeper::command::{ReplicationCommand, parse_command};
 use safekeeper::types::Lsn;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -98,9 +98,7 @@ async fn relay_connection(
                             }
                             Ok(CopyEvent::Done) => return Ok::<_, PqError>(()),
                             Err(PqError::Server(e)) => {
-                                down_w.write_message(
-                                    &safekeeper::pq::BackendMessage::ErrorResponse(e),
-                                );
+                                down_w.write_message(&pq_proto::BackendMessage::ErrorResponse(e));
                                 down_w.flush().await?;
                                 return Ok(());
                             }

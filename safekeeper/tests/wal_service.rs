@@ -6,8 +6,8 @@ mod common;
 
 use common::*;
 use pg_wal::generator::WalGenerator;
-use safekeeper::pq::PqError;
-use safekeeper::pq::client::{ClientConfig, ClientConn};
+use pq_proto::PqError;
+use pq_proto::client::{ClientConfig, ClientConn};
 use safekeeper::protocol::AcceptorProposerMessage;
 use safekeeper::types::{Lsn, Term, TermHistory};
 
@@ -216,9 +216,9 @@ async fn garbage_copy_data_gets_a_protocol_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_reader_gets_keepalives_and_prompt_replies() {
-    use safekeeper::pq::client::CopyEvent;
-    use safekeeper::pq::codec::BackendMessage;
-    use safekeeper::pq::replication::{ReplicationMessage, StandbyMessage};
+    use pq_proto::BackendMessage;
+    use pq_proto::client::CopyEvent;
+    use pq_proto::replication::{ReplicationMessage, StandbyMessage};
     use std::time::{Duration, Instant};
 
     let dir = tempfile::tempdir().unwrap();

@@ -7,10 +7,10 @@ use bytes::BytesMut;
 use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 
-use crate::pq::PqError;
-use crate::pq::client::{ClientConfig, ClientConn, CopyBothReader, CopyBothWriter, CopyEvent};
 use crate::protocol::{AcceptorProposerMessage, DecodeError, EncodeError, ProposerAcceptorMessage};
 use crate::types::TenantTimelineId;
+use pq_proto::PqError;
+use pq_proto::client::{ClientConfig, ClientConn, CopyBothReader, CopyBothWriter, CopyEvent};
 
 /// Errors of a proposer connection.
 #[derive(Debug, thiserror::Error)]

@@ -2,10 +2,10 @@
 //! election (`START_REPLICATION ... (term='N')`, which serves durable but not yet committed WAL
 //! while the safekeeper's term is still N).
 
-use crate::pq::client::{ClientConn, CopyEvent};
-use crate::pq::replication::ReplicationMessage;
 use crate::proposer::conn::{ConnError, SafekeeperAddr};
 use crate::types::{Lsn, TenantTimelineId, Term};
+use pq_proto::client::{ClientConn, CopyEvent};
+use pq_proto::replication::ReplicationMessage;
 
 /// Upper bound on one recovery fetch: a proposer keeps what it fetched in memory.
 pub const MAX_FETCH_BYTES: u64 = 1 << 30;

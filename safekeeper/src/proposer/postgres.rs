@@ -16,7 +16,7 @@
 //!    LSN is reported as write, flush and apply position, every second and whenever it advances,
 //!    so the primary recycles only WAL that a quorum holds.
 //!
-//! Trust and cleartext-password authentication only (what [`crate::pq::client`] implements); no
+//! Trust and cleartext-password authentication only (what [`pq_proto::client`] implements); no
 //! TLS; timeline 1 only. Not here: the election and streaming to safekeepers ([`super`]).
 
 use std::future::Future;
@@ -27,11 +27,11 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use super::{Proposer, ProposerError};
-use crate::pq::client::{ClientConfig, ClientConn};
-use crate::pq::replication::{ReplicationError, ReplicationMessage, StandbyMessage};
-use crate::pq::{BackendMessage, PqError};
 use crate::types::Lsn;
 use pg_wal::format::is_valid_seg_size;
+use pq_proto::client::{ClientConfig, ClientConn};
+use pq_proto::replication::{ReplicationError, ReplicationMessage, StandbyMessage};
+use pq_proto::{BackendMessage, PqError};
 
 /// Default name of the physical slot on the primary.
 pub const DEFAULT_SLOT: &str = "walproposer";
@@ -468,7 +468,7 @@ impl Primary {
             write: commit,
             flush: commit,
             apply: commit,
-            send_time: crate::pq::pg_now(),
+            send_time: pq_proto::pg_now(),
             reply_requested,
         };
 
@@ -713,7 +713,7 @@ mod tests {
     #[test]
     fn broken_connections_and_shutdowns_are_transient() {
         let server = |code: &str| {
-            SourceError::from(PqError::Server(crate::pq::ErrorFields::error(code, "x")))
+            SourceError::from(PqError::Server(pq_proto::ErrorFields::error(code, "x")))
         };
         assert!(SourceError::StreamEnded.is_transient());
         assert!(SourceError::from(PqError::ConnectionClosed).is_transient());

@@ -296,7 +296,7 @@ fn append_with_trailing_garbage_is_rejected() {
     let b = append_bytes(100, 104, 5);
     assert_eq!(
         ProposerAcceptorMessage::decode(&Bytes::from(b)),
-        Err(DecodeError::TrailingBytes(1))
+        Err(DecodeError::Read(ReadError::TrailingBytes(1)))
     );
 }
 
@@ -325,7 +325,7 @@ fn short_append_payload_is_truncated_error() {
     let b = append_bytes(0, 10, 9);
     assert!(matches!(
         ProposerAcceptorMessage::decode(&Bytes::from(b)),
-        Err(DecodeError::Truncated { .. })
+        Err(DecodeError::Read(ReadError::Truncated { .. }))
     ));
 }
 
@@ -381,7 +381,7 @@ fn huge_member_count_is_rejected_before_allocating() {
     let b = greeting_with(&[0, 0, 0, 1, 0xff, 0xff, 0xff, 0xff]);
     assert!(matches!(
         ProposerAcceptorMessage::decode(&b),
-        Err(DecodeError::TooMany { .. })
+        Err(DecodeError::Read(ReadError::TooMany { .. }))
     ));
 }
 

@@ -75,8 +75,8 @@ impl TestDaemon {
 }
 
 /// A replication client configuration for the test timeline on `d`.
-pub fn client_config(d: &TestDaemon) -> safekeeper::pq::client::ClientConfig {
-    let mut cfg = safekeeper::pq::client::ClientConfig::new("127.0.0.1", d.pg.port(), "test");
+pub fn client_config(d: &TestDaemon) -> pq_proto::client::ClientConfig {
+    let mut cfg = pq_proto::client::ClientConfig::new("127.0.0.1", d.pg.port(), "test");
     cfg.options = Some(format!(
         "-c tenant_id={} timeline_id={}",
         ttid().tenant_id,

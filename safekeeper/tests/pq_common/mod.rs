@@ -1,4 +1,4 @@
-//! Shared by the `pq_*` integration tests: a tiny replication server built from `pq::server`
+//! Shared by the `pq_*` integration tests: a tiny replication server built from `pq_proto::server`
 //! that answers the commands real clients send, records what arrived, and either refuses or
 //! serves a small WAL stream on START_REPLICATION; plus helpers to find real PostgreSQL binaries.
 
@@ -11,12 +11,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use safekeeper::pq::PqError;
-use safekeeper::pq::client::ClientConfig;
-use safekeeper::pq::codec::{ErrorFields, FieldDescription, FrontendMessage, sqlstate};
-use safekeeper::pq::command::{ReplicationCommand, parse_command};
-use safekeeper::pq::replication::StandbyMessage;
-use safekeeper::pq::server::{ServerConfig, ServerConn};
+use pq_proto::PqError;
+use pq_proto::backend::FieldDescription;
+use pq_proto::client::ClientConfig;
+use pq_proto::replication::StandbyMessage;
+use pq_proto::server::{ServerConfig, ServerConn};
+use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
+use safekeeper::command::{ReplicationCommand, parse_command};
 use safekeeper::types::Lsn;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -268,8 +269,8 @@ async fn stream(mut conn: ServerConn<TcpStream>, start: Lsn, log: Log) -> Result
     });
     // WAL bytes: a recognizable pattern (pg_receivewal does not validate WAL contents).
     let data: Vec<u8> = (0..STREAM_LEN).map(|i| (i % 251) as u8).collect();
-    writer.write_xlog_data(start, end, safekeeper::pq::pg_now(), &data);
-    writer.write_keepalive(end, safekeeper::pq::pg_now(), true);
+    writer.write_xlog_data(start, end, pq_proto::pg_now(), &data);
+    writer.write_keepalive(end, pq_proto::pg_now(), true);
     writer.flush().await?;
     let timeout = Duration::from_secs(20);
     if tokio::time::timeout(timeout, written_rx.recv())
@@ -278,7 +279,7 @@ async fn stream(mut conn: ServerConn<TcpStream>, start: Lsn, log: Log) -> Result
     {
         log.push("timeout waiting for r");
     }
-    writer.write_message(&safekeeper::pq::BackendMessage::CopyDone);
+    writer.write_message(&pq_proto::BackendMessage::CopyDone);
     writer.flush().await?;
     if tokio::time::timeout(timeout, done_rx.recv()).await.is_err() {
         log.push("timeout waiting for client CopyDone");

@@ -343,11 +343,8 @@ pub fn parse_command(query: &str) -> Result<ReplicationCommand, CommandError> {
 impl CommandError {
     /// The ERROR to answer with (SQLSTATE 42601 syntax_error, as PostgreSQL's replication
     /// grammar reports unknown commands); the connection stays usable.
-    pub fn to_error_fields(&self) -> crate::pq::codec::ErrorFields {
-        crate::pq::codec::ErrorFields::error(
-            crate::pq::codec::sqlstate::SYNTAX_ERROR,
-            self.to_string(),
-        )
+    pub fn to_error_fields(&self) -> pq_proto::ErrorFields {
+        pq_proto::ErrorFields::error(pq_proto::sqlstate::SYNTAX_ERROR, self.to_string())
     }
 
     fn with_reason(self, reason: String) -> CommandError {

@@ -12,13 +12,14 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 
-use super::codec::{
-    self, Authentication, BackendMessage, FieldDescription, FrontendMessage, StartupPacket,
-    StartupParams,
+use crate::backend::{
+    Authentication, BackendMessage, FieldDescription, decode_backend, put_copy_data,
 };
-use super::io::{flush_buf, read_frame};
-use super::replication::StandbyMessage;
-use super::{ErrorFields, PqError};
+use crate::framing::DEFAULT_MAX_MESSAGE_SIZE;
+use crate::frontend::{FrontendMessage, StartupPacket, StartupParams};
+use crate::io::{flush_buf, read_frame};
+use crate::replication::StandbyMessage;
+use crate::{ErrorFields, PqError};
 
 /// Where and how to connect. `Debug` hides the password.
 #[derive(Clone)]
@@ -67,7 +68,7 @@ impl ClientConfig {
             options: None,
             replication: true,
             password: None,
-            max_message_size: codec::DEFAULT_MAX_MESSAGE_SIZE,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             connect_timeout: Duration::from_secs(10),
         }
     }
@@ -202,7 +203,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
             &mut self.stream,
             &mut self.read_buf,
             self.max_message_size,
-            codec::decode_backend,
+            decode_backend,
         )
         .await?
         .ok_or(PqError::ConnectionClosed)
@@ -368,7 +369,7 @@ impl<R: AsyncRead + Unpin> CopyBothReader<R> {
             &mut self.stream,
             &mut self.read_buf,
             self.max_message_size,
-            codec::decode_backend,
+            decode_backend,
         )
         .await?
         .ok_or(PqError::ConnectionClosed)
@@ -406,7 +407,7 @@ pub struct CopyBothWriter<W> {
 impl<W: AsyncWrite + Unpin> CopyBothWriter<W> {
     /// Buffers a CopyData with `payload`.
     pub fn write_copy_data(&mut self, payload: &[u8]) {
-        codec::put_copy_data(&mut self.write_buf, &[payload]);
+        put_copy_data(&mut self.write_buf, &[payload]);
     }
 
     /// Buffers a CopyData carrying a standby message (`r` status update, `h` feedback).

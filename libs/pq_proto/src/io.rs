@@ -1,9 +1,9 @@
-//! Buffered frame reading and writing shared by [`super::server`] and [`super::client`].
+//! Buffered frame reading and writing shared by [`crate::server`] and [`crate::client`].
 
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::{PqError, ProtocolError};
+use crate::{PqError, ProtocolError};
 
 /// How much free room to keep in a read buffer before each read.
 const READ_CHUNK: usize = 8192;

@@ -18,14 +18,20 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 
-use super::PqError;
-use super::codec::{
-    self, Authentication, BackendMessage, CopyResponse, ErrorFields, FieldDescription,
-    FrontendMessage, StartupPacket, StartupParams, TransactionStatus, sqlstate,
+use pg_wal::Lsn;
+
+use crate::PqError;
+use crate::backend::{
+    Authentication, BackendMessage, CopyResponse, FieldDescription, TransactionStatus,
+    put_copy_data,
 };
-use super::io::{flush_buf, read_frame};
-use super::replication::{ReplicationMessage, xlog_data_header};
-use crate::types::Lsn;
+use crate::error::{ErrorFields, sqlstate};
+use crate::framing::DEFAULT_MAX_MESSAGE_SIZE;
+use crate::frontend::{
+    FrontendMessage, StartupPacket, StartupParams, decode_frontend, decode_startup,
+};
+use crate::io::{flush_buf, read_frame};
+use crate::replication::{ReplicationMessage, xlog_data_header};
 
 /// The `server_version` we report. Clients parse it with `%d.%d`: major 15, so PostgreSQL 15's
 /// pg_receivewal (which refuses newer servers) and walreceiver accept us.
@@ -58,7 +64,7 @@ impl Default for ServerConfig {
         ServerConfig {
             password: None,
             server_version: DEFAULT_SERVER_VERSION.to_string(),
-            max_message_size: codec::DEFAULT_MAX_MESSAGE_SIZE,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
         }
     }
 }
@@ -124,7 +130,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
         let mut negotiations = 0;
         let (minor_version, params) = loop {
             let pkt = match read_frame(&mut self.stream, &mut self.read_buf, 0, |b, _| {
-                codec::decode_startup(b)
+                decode_startup(b)
             })
             .await
             {
@@ -291,7 +297,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
             &mut self.stream,
             &mut self.read_buf,
             self.config.max_message_size,
-            codec::decode_frontend,
+            decode_frontend,
         )
         .await
     }
@@ -425,7 +431,7 @@ impl<R: AsyncRead + Unpin> ServerReader<R> {
             &mut self.stream,
             &mut self.read_buf,
             self.config.max_message_size,
-            codec::decode_frontend,
+            decode_frontend,
         )
         .await
     }
@@ -459,7 +465,7 @@ impl<W: AsyncWrite + Unpin> ServerWriter<W> {
 
     /// Appends a CopyData whose payload is the concatenation of `parts`.
     pub fn write_copy_data(&mut self, parts: &[&[u8]]) {
-        codec::put_copy_data(&mut self.write_buf, parts);
+        put_copy_data(&mut self.write_buf, parts);
     }
 
     /// Appends CopyData(XLogData) carrying `data`, which starts at `wal_start`; `wal_end` is the

@@ -1,26 +1,41 @@
 //! Our own PostgreSQL wire-protocol layer for physical replication, both sides.
 //!
-//! - [`codec`] (pure): message framing and the message enums of both directions.
-//! - [`replication`] (pure): XLogData / keepalive / status update / hot-standby feedback.
-//! - [`command`] (pure): replication command parsing and the startup `options` parameter.
-//! - [`server`] (tokio): a server connection: startup handshake, simple queries, result sets,
-//!   errors, and a split into reader and writer halves for the duplex CopyBoth phase.
-//! - [`client`] (tokio): a minimal replication client (our proposer, our relay from a real
-//!   primary, our tests).
+//! Pure (always built):
+//! - [`reader`]: the one bounded big-endian reader every decoder of the workspace uses;
+//! - [`framing`]: the typed frame header and its bound, shared by both directions;
+//! - [`frontend`]: what a client sends (startup packets, simple query, COPY);
+//! - [`backend`]: what a server sends (authentication, result sets, errors, COPY);
+//! - [`error`]: [`ProtocolError`], [`ErrorFields`] and the SQLSTATE codes;
+//! - [`replication`]: XLogData / keepalive / status update / hot-standby feedback.
 //!
-//! What each command *does* (WalAcceptor, walsender, timeline lookup) is left to the connection
-//! handlers that use this layer.
+//! Async, behind the default `tokio` feature (`default-features = false` leaves a pure crate):
+//! - [`server`]: a server connection: startup handshake, simple queries, result sets, errors,
+//!   and a split into reader and writer halves for the duplex CopyBoth phase;
+//! - [`client`]: a minimal replication client (our proposer, our relay from a real primary, our
+//!   tests).
+//!
+//! Not here: neon's commands (`START_WAL_PUSH`, `START_REPLICATION ... (term)`) and what each
+//! command *does* (WalAcceptor, walsender, timeline lookup): the safekeeper's connection
+//! handlers.
 
+pub mod backend;
+#[cfg(feature = "tokio")]
 pub mod client;
-pub mod codec;
-pub mod command;
+pub mod error;
+pub mod framing;
+pub mod frontend;
+#[cfg(feature = "tokio")]
 mod io;
+pub mod reader;
 pub mod replication;
+#[cfg(feature = "tokio")]
 pub mod server;
 
 use std::time::SystemTime;
 
-pub use codec::{BackendMessage, ErrorFields, FrontendMessage, ProtocolError};
+pub use backend::BackendMessage;
+pub use error::{ErrorFields, ProtocolError, sqlstate};
+pub use frontend::FrontendMessage;
 
 /// Errors of a connection (either side).
 #[derive(Debug, thiserror::Error)]

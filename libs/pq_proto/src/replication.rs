@@ -7,14 +7,16 @@
 //! All integers are big-endian; LSNs are u64; timestamps are i64 microseconds since
 //! 2000-01-01 00:00:00 UTC ([`to_pg_timestamp`], [`from_pg_timestamp`]).
 //!
-//! Pure code: no I/O and no clock (callers pass `SystemTime::now()` in). What to stream and when
-//! is left to the walsender; framing of the CopyData itself is in [`super::codec`].
+//! Pure code: no I/O and no clock (callers pass `SystemTime::now()` in); fields are read with the
+//! bounded [`Reader`]. What to stream and when is left to the walsender; framing of the CopyData
+//! itself is in [`crate::backend`] and [`crate::frontend`].
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
+use pg_wal::Lsn;
 
-use crate::types::Lsn;
+use crate::reader::{ReadError, Reader};
 
 /// Seconds from the Unix epoch to the PostgreSQL epoch (2000-01-01 00:00:00 UTC).
 pub const PG_EPOCH_UNIX_SECS: u64 = 946_684_800;
@@ -57,6 +59,9 @@ pub enum ReplicationError {
         len: usize,
         expected: &'static str,
     },
+    /// A field could not be read (cannot happen once the length is checked; kept typed).
+    #[error(transparent)]
+    Read(#[from] ReadError),
 }
 
 /// Server → client messages.
@@ -101,7 +106,7 @@ pub enum StandbyMessage {
 }
 
 /// Encodes the 25-byte XLogData header; the WAL bytes follow it in the same CopyData
-/// (see [`super::codec::put_copy_data`]).
+/// (see [`crate::backend::put_copy_data`]).
 pub fn xlog_data_header(wal_start: Lsn, wal_end: Lsn, send_time: i64) -> [u8; 25] {
     let mut h = [0u8; XLOG_DATA_HEADER_LEN];
     h[0] = b'w';
@@ -111,14 +116,22 @@ pub fn xlog_data_header(wal_start: Lsn, wal_end: Lsn, send_time: i64) -> [u8; 25
     h
 }
 
-fn check_len(
+/// The tag and the bytes after it.
+fn split_tag(payload: Bytes) -> Result<(u8, Bytes), ReplicationError> {
+    let mut r = Reader::new(payload);
+    let tag = r.u8("tag").map_err(|_| ReplicationError::Empty)?;
+    Ok((tag, r.rest()))
+}
+
+/// A reader of `body` (the payload after the tag) if it is exactly `want` bytes long.
+fn fixed_len(
     tag: u8,
-    body: &Bytes,
+    body: Bytes,
     want: usize,
     expected: &'static str,
-) -> Result<(), ReplicationError> {
+) -> Result<Reader, ReplicationError> {
     if body.len() == want {
-        Ok(())
+        Ok(Reader::new(body))
     } else {
         Err(ReplicationError::BadLength {
             tag,
@@ -155,8 +168,8 @@ impl ReplicationMessage {
     }
 
     /// Decodes a CopyData payload. XLogData's `data` shares `payload`'s memory.
-    pub fn decode(mut payload: Bytes) -> Result<Self, ReplicationError> {
-        let tag = payload.try_get_u8().map_err(|_| ReplicationError::Empty)?;
+    pub fn decode(payload: Bytes) -> Result<Self, ReplicationError> {
+        let (tag, payload) = split_tag(payload)?;
         match tag {
             b'w' => {
                 if payload.len() < 24 {
@@ -166,19 +179,20 @@ impl ReplicationMessage {
                         expected: "at least 25",
                     });
                 }
+                let mut r = Reader::new(payload);
                 Ok(ReplicationMessage::XLogData {
-                    wal_start: Lsn(payload.get_u64()),
-                    wal_end: Lsn(payload.get_u64()),
-                    send_time: payload.get_i64(),
-                    data: payload,
+                    wal_start: r.lsn("wal_start")?,
+                    wal_end: r.lsn("wal_end")?,
+                    send_time: r.i64("send_time")?,
+                    data: r.rest(),
                 })
             }
             b'k' => {
-                check_len(tag, &payload, 17, "18")?;
+                let mut r = fixed_len(tag, payload, 17, "18")?;
                 Ok(ReplicationMessage::Keepalive {
-                    wal_end: Lsn(payload.get_u64()),
-                    send_time: payload.get_i64(),
-                    reply_requested: payload.get_u8() != 0,
+                    wal_end: r.lsn("wal_end")?,
+                    send_time: r.i64("send_time")?,
+                    reply_requested: r.u8("reply_requested")? != 0,
                 })
             }
             tag => Err(ReplicationError::UnknownTag { tag }),
@@ -226,27 +240,27 @@ impl StandbyMessage {
     }
 
     /// Decodes a CopyData payload.
-    pub fn decode(mut payload: Bytes) -> Result<Self, ReplicationError> {
-        let tag = payload.try_get_u8().map_err(|_| ReplicationError::Empty)?;
+    pub fn decode(payload: Bytes) -> Result<Self, ReplicationError> {
+        let (tag, payload) = split_tag(payload)?;
         match tag {
             b'r' => {
-                check_len(tag, &payload, 33, "34")?;
+                let mut r = fixed_len(tag, payload, 33, "34")?;
                 Ok(StandbyMessage::StatusUpdate {
-                    write: Lsn(payload.get_u64()),
-                    flush: Lsn(payload.get_u64()),
-                    apply: Lsn(payload.get_u64()),
-                    send_time: payload.get_i64(),
-                    reply_requested: payload.get_u8() != 0,
+                    write: r.lsn("write")?,
+                    flush: r.lsn("flush")?,
+                    apply: r.lsn("apply")?,
+                    send_time: r.i64("send_time")?,
+                    reply_requested: r.u8("reply_requested")? != 0,
                 })
             }
             b'h' => {
-                check_len(tag, &payload, 24, "25")?;
+                let mut r = fixed_len(tag, payload, 24, "25")?;
                 Ok(StandbyMessage::HotStandbyFeedback {
-                    send_time: payload.get_i64(),
-                    xmin: payload.get_u32(),
-                    epoch: payload.get_u32(),
-                    catalog_xmin: payload.get_u32(),
-                    catalog_epoch: payload.get_u32(),
+                    send_time: r.i64("send_time")?,
+                    xmin: r.u32("xmin")?,
+                    epoch: r.u32("epoch")?,
+                    catalog_xmin: r.u32("catalog_xmin")?,
+                    catalog_epoch: r.u32("catalog_epoch")?,
                 })
             }
             b'z' => Ok(StandbyMessage::NeonFeedback(payload)),
