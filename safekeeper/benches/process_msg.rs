@@ -12,16 +12,14 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 
-use safekeeper::protocol::{
+use sk_core::protocol::{
     AppendRequest, AppendRequestHeader, ProposerAcceptorMessage, ProposerElected, VoteRequest,
 };
-use safekeeper::safekeeper::SafeKeeper;
-use safekeeper::state::{Configuration, ServerInfo, TimelinePersistentState};
-use safekeeper::storage::WalStore;
-use safekeeper::storage::mem::{MemControlStore, MemWalStore};
-use safekeeper::types::{
-    Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId,
-};
+use sk_core::safekeeper::SafeKeeper;
+use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
+use sk_core::storage::WalStore;
+use sk_core::storage::mem::{MemControlStore, MemWalStore};
+use sk_core::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
 
 const START: Lsn = Lsn(0x0100_0000);
 const SIZES: [usize; 3] = [8, 8 << 10, 128 << 10];

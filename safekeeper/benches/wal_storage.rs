@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};
 use pg_wal::{WalGenerator, WalStreamDecoder};
-use safekeeper::storage::WalStore;
-use safekeeper::storage::wal_file::{WalFileOptions, WalFileStore};
-use safekeeper::types::Lsn;
+use safekeeper::wal_store::{WalFileOptions, WalFileStore};
+use sk_core::storage::WalStore;
+use sk_core::types::Lsn;
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * KIB;

@@ -9,7 +9,7 @@
 //! Pure code. Executing commands (and checking values such as `proto_version`) is left to the
 //! connection handler.
 
-use crate::types::{IdParseError, Lsn, TenantId, Term, TimelineId};
+use sk_core::types::{IdParseError, Lsn, TenantId, Term, TimelineId};
 
 /// A parsed command.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::types::NodeId;
+use sk_core::types::NodeId;
 
 /// mini-safekeeper: accepts PostgreSQL WAL from a proposer (neon's safekeeper protocol v3),
 /// keeps it durably in WAL segments, and serves committed WAL to PostgreSQL readers.

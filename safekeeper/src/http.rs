@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use crate::daemon::SharedState;
 use crate::timeline::TimelineStatus;
-use crate::types::TenantTimelineId;
+use sk_core::types::TenantTimelineId;
 
 /// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
 /// generic body (details in the log) for ours.
@@ -96,10 +96,10 @@ async fn timeline_status(
     let ttid = TenantTimelineId {
         tenant_id: tenant_id
             .parse()
-            .map_err(|e: crate::types::IdParseError| ApiError::BadRequest(e.to_string()))?,
+            .map_err(|e: sk_core::types::IdParseError| ApiError::BadRequest(e.to_string()))?,
         timeline_id: timeline_id
             .parse()
-            .map_err(|e: crate::types::IdParseError| ApiError::BadRequest(e.to_string()))?,
+            .map_err(|e: sk_core::types::IdParseError| ApiError::BadRequest(e.to_string()))?,
     };
     let tl = state
         .timelines
@@ -152,7 +152,7 @@ mod testing {
             Some("false") => false,
             _ => return Err(ApiError::BadRequest("active must be true or false".into())),
         };
-        crate::failpoint::set(name, on).map_err(ApiError::BadRequest)?;
+        sk_core::failpoint::set(name, on).map_err(ApiError::BadRequest)?;
         Ok(format!("{name} {}\n", if on { "on" } else { "off" }))
     }
 

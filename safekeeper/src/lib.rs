@@ -1,31 +1,27 @@
-//! mini-safekeeper: a durable, replicated front of a PostgreSQL write-ahead log.
+//! The safekeeper daemon: the file stores under the consensus core, timelines, the WAL service
+//! (proposers push WAL in, readers stream it out) and the HTTP API.
 //!
-//! Layers, each depending only on those above it:
-//! 1. formats (pure): [`types`], the `pg_wal` crate (PostgreSQL WAL pages, records, CRC-32C, a
-//!    generator and a decoder), [`protocol`] (neon's proposer/acceptor protocol v3);
-//! 2. consensus core (pure): [`safekeeper`] (`SafeKeeper::process_msg`), over [`state`], and
-//!    [`registry`] (timelines by id);
-//! 3. storage: [`storage`] (control file, WAL segments, in-memory fakes);
-//! 4. network and tasks (tokio): the `pq_proto` crate (our PostgreSQL wire protocol, server and
-//!    client) and [`command`] (neon's replication commands),
-//!    [`timeline`] (timelines behind locks, the node's registry), [`wal_service`] (the listener),
-//!    [`receive_wal`] (the pipelined WAL acceptor), [`send_wal`] (the walsender);
-//! 5. HTTP: [`http`], [`metrics`]; [`daemon`] ties everything together.
+//! Layers below it, each a crate (the layer rule is their `Cargo.toml` dependencies):
+//! `pg_wal` (WAL formats) → `pq_proto` (PostgreSQL wire protocol) → `sk_core` (protocol v3,
+//! `SafeKeeper::process_msg`, storage traits) → this crate. Inside it:
+//! 1. storage: [`control_file`] and [`wal_store`], the file implementations of `sk_core`'s
+//!    storage traits;
+//! 2. timelines: [`registry`] (timelines by id) and [`timeline`] (timelines behind locks, the
+//!    node's registry);
+//! 3. network and tasks (tokio): [`command`] (neon's replication commands), [`wal_service`] (the
+//!    listener), [`receive_wal`] (the pipelined WAL acceptor), [`send_wal`] (the walsender);
+//! 4. HTTP: [`http`], [`metrics`]; [`config`] and [`daemon`] tie everything together.
 
 pub mod command;
 pub mod config;
+pub mod control_file;
 pub mod daemon;
-pub mod failpoint;
 pub mod http;
 pub mod metrics;
 pub mod proposer;
-pub mod protocol;
 pub mod receive_wal;
 pub mod registry;
-pub mod safekeeper;
 pub mod send_wal;
-pub mod state;
-pub mod storage;
 pub mod timeline;
-pub mod types;
 pub mod wal_service;
+pub mod wal_store;

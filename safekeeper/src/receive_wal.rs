@@ -23,12 +23,12 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics;
-use crate::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
 use crate::timeline::{GlobalTimelines, Timeline};
-use crate::types::TenantTimelineId;
 use pq_proto::PqError;
 use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
 use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
+use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
+use sk_core::types::TenantTimelineId;
 
 /// Messages queued between the reader and the acceptor.
 pub const MSG_QUEUE_SIZE: usize = 256;

@@ -8,11 +8,11 @@
 
 use std::collections::HashMap;
 
-use crate::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, ProposerGreeting};
-use crate::safekeeper::{SafeKeeper, SafeKeeperError};
-use crate::state::{Configuration, ServerInfo, TimelinePersistentState};
-use crate::storage::{self, ControlStore, WalStore};
-use crate::types::{NodeId, TenantTimelineId};
+use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, ProposerGreeting};
+use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
+use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
+use sk_core::storage::{self, ControlStore, WalStore};
+use sk_core::types::{NodeId, TenantTimelineId};
 
 /// Makes the storage of a new timeline. `create` must make `state` durable before it returns
 /// (neon builds the directory under a temporary name and renames it in).
@@ -176,8 +176,8 @@ impl<F: TimelineFactory> Registry<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::mem::{MemControlStore, MemWalStore};
-    use crate::types::{TenantId, TimelineId};
+    use sk_core::storage::mem::{MemControlStore, MemWalStore};
+    use sk_core::types::{TenantId, TimelineId};
 
     struct MemFactory;
 
@@ -236,9 +236,9 @@ mod tests {
             )
             .unwrap();
         }
-        let vote = ProposerAcceptorMessage::VoteRequest(crate::protocol::VoteRequest {
-            generation: crate::types::Generation(0),
-            term: crate::types::Term(3),
+        let vote = ProposerAcceptorMessage::VoteRequest(sk_core::protocol::VoteRequest {
+            generation: sk_core::types::Generation(0),
+            term: sk_core::types::Term(3),
         });
         reg.process_msg(&greeting(1).ttid(), &vote, false, 0)
             .unwrap();

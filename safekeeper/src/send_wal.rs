@@ -15,14 +15,14 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::metrics;
-use crate::storage::wal_file::segment_path;
 use crate::timeline::{Positions, Timeline};
-use crate::types::{Lsn, Term};
+use crate::wal_store::segment_path;
 use pg_wal::format::xlog_file_name;
 use pq_proto::replication::StandbyMessage;
 use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
 use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
 use pq_proto::{PqError, pg_now};
+use sk_core::types::{Lsn, Term};
 
 /// Largest XLogData payload (PostgreSQL's `MAX_SEND_SIZE`).
 pub const MAX_SEND_SIZE: u64 = 128 * 1024;

@@ -21,17 +21,17 @@ use anyhow::Context;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, ProposerGreeting};
-use crate::safekeeper::{SafeKeeper, SafeKeeperError};
-use crate::state::{Configuration, ServerInfo, TimelinePersistentState};
-use crate::storage;
-use crate::storage::control_file::{CONTROL_FILE_NAME, FileControlStore};
-use crate::storage::durable::fsync_dir;
-use crate::storage::fs::Fs;
-use crate::storage::wal_file::{WalFileOptions, WalFileStore, WalReader};
-use crate::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId};
+use crate::control_file::{CONTROL_FILE_NAME, FileControlStore};
+use crate::wal_store::{WalFileOptions, WalFileStore, WalReader};
 use pg_wal::decoder::WalStreamDecoder;
 use pg_wal::format::is_valid_seg_size;
+use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, ProposerGreeting};
+use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
+use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
+use sk_core::storage;
+use sk_core::storage::durable::fsync_dir;
+use sk_core::storage::fs::Fs;
+use sk_core::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId};
 
 /// Segments are prepared (zero-filled off the ingest path) for timelines whose WAL arrives
 /// slower than this: there commits wait on each `fdatasync`, which is ~25% faster into written

@@ -17,11 +17,11 @@ use crate::metrics;
 use crate::receive_wal::handle_wal_push;
 use crate::send_wal::{StreamEnd, handle_start_replication};
 use crate::timeline::{GlobalTimelines, Timeline};
-use crate::types::TenantTimelineId;
 use pq_proto::PqError;
 use pq_proto::backend::FieldDescription;
 use pq_proto::server::{ServerConfig, ServerConn};
 use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
+use sk_core::types::TenantTimelineId;
 
 /// How long a client may take to finish the startup handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);

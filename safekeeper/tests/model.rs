@@ -37,20 +37,18 @@ use rand::{Rng, SeedableRng};
 
 use pg_wal::format::page_header_size;
 use pg_wal::{WalGenerator, WalStreamDecoder};
-use safekeeper::protocol::{
+use safekeeper::control_file::FileControlStore;
+use safekeeper::wal_store::{WalFileOptions, WalFileStore};
+use sk_core::protocol::{
     AcceptorGreeting, AcceptorProposerMessage, AppendRequest, AppendRequestHeader,
     ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
 };
-use safekeeper::safekeeper::{SafeKeeper, SafeKeeperError};
-use safekeeper::state::{Configuration, ServerInfo, TimelinePersistentState};
-use safekeeper::storage::control_file::FileControlStore;
-use safekeeper::storage::fs::{FileSystem, Fs, SimFs};
-use safekeeper::storage::mem::{MemControlStore, MemWalStore};
-use safekeeper::storage::wal_file::{WalFileOptions, WalFileStore};
-use safekeeper::storage::{ControlStore, WalStore};
-use safekeeper::types::{
-    Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId,
-};
+use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
+use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
+use sk_core::storage::fs::{FileSystem, Fs, SimFs};
+use sk_core::storage::mem::{MemControlStore, MemWalStore};
+use sk_core::storage::{ControlStore, WalStore};
+use sk_core::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
 
 const N_ACC: usize = 3;
 const N_PROP: usize = 2;
@@ -992,7 +990,7 @@ impl<B: Backend> Cluster<B> {
                 return;
             }
             let begin = view.next_lsn;
-            let limit = Lsn(begin.0 + safekeeper::protocol::MAX_SEND_SIZE as u64);
+            let limit = Lsn(begin.0 + sk_core::protocol::MAX_SEND_SIZE as u64);
             let end = if prop.log_end() <= limit {
                 prop.log_end()
             } else {

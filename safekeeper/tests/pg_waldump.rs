@@ -12,9 +12,9 @@ use pg_wal::format::{PG_TLI, xlog_file_name};
 use pg_wal::{RecordPos, WalGenerator, first_segment_image};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use safekeeper::storage::WalStore;
-use safekeeper::storage::wal_file::{WalFileOptions, WalFileStore};
-use safekeeper::types::Lsn;
+use safekeeper::wal_store::{WalFileOptions, WalFileStore};
+use sk_core::storage::WalStore;
+use sk_core::types::Lsn;
 
 fn pg_waldump() -> Option<PathBuf> {
     let bindir = Command::new("pg_config")

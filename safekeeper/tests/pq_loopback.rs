@@ -13,7 +13,7 @@ use pq_proto::frontend::{StartupPacket, StartupParams};
 use pq_proto::replication::{ReplicationMessage, StandbyMessage};
 use pq_proto::server::{ServerConfig, ServerConn};
 use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, ProtocolError, sqlstate};
-use safekeeper::types::Lsn;
+use sk_core::types::Lsn;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -16,7 +16,7 @@ use pq_proto::BackendMessage;
 use pq_proto::PqError;
 use pq_proto::client::{ClientConn, CopyEvent};
 use pq_proto::replication::{ReplicationMessage, StandbyMessage};
-use safekeeper::types::Lsn;
+use sk_core::types::Lsn;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_streams_wal_from_a_real_postgres_primary() {

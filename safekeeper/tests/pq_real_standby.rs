@@ -21,7 +21,7 @@ use pq_proto::replication::{ReplicationMessage, StandbyMessage};
 use pq_proto::server::{ServerConfig, ServerConn};
 use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
 use safekeeper::command::{ReplicationCommand, parse_command};
-use safekeeper::types::Lsn;
+use sk_core::types::Lsn;
 use tokio::net::{TcpListener, TcpStream};
 
 async fn relay_connection(

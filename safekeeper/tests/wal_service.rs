@@ -8,8 +8,8 @@ use common::*;
 use pg_wal::generator::WalGenerator;
 use pq_proto::PqError;
 use pq_proto::client::{ClientConfig, ClientConn};
-use safekeeper::protocol::AcceptorProposerMessage;
-use safekeeper::types::{Lsn, Term, TermHistory};
+use sk_core::protocol::AcceptorProposerMessage;
+use sk_core::types::{Lsn, Term, TermHistory};
 
 const START: Lsn = Lsn(SEG_SIZE); // 0/1000000: the start of segment 1
 

@@ -24,14 +24,14 @@ use bytes::Bytes;
 use criterion::Criterion;
 use pg_wal::WalGenerator;
 use pprof::criterion::{Output, PProfProfiler};
-use safekeeper::protocol::{
+use safekeeper::receive_wal::{self, Outgoing, QueuedMsg, REPLY_QUEUE_SIZE};
+use safekeeper::timeline::{GlobalTimelines, Timeline};
+use sk_core::protocol::{
     AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
     ProposerElected, ProposerGreeting, VoteRequest,
 };
-use safekeeper::receive_wal::{self, Outgoing, QueuedMsg, REPLY_QUEUE_SIZE};
-use safekeeper::state::Configuration;
-use safekeeper::timeline::{GlobalTimelines, Timeline};
-use safekeeper::types::{
+use sk_core::state::Configuration;
+use sk_core::types::{
     Generation, Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TermLsn, TimelineId,
 };
 use tokio::sync::mpsc;

@@ -9,7 +9,7 @@ use safekeeper::proposer::conn::SafekeeperAddr;
 use safekeeper::proposer::postgres::{self, ConnInfo, Primary, SourceOptions};
 use safekeeper::proposer::synthetic::{self, SyntheticOptions};
 use safekeeper::proposer::{Proposer, ProposerConfig};
-use safekeeper::types::{Lsn, TenantId, TenantTimelineId, TimelineId};
+use sk_core::types::{Lsn, TenantId, TenantTimelineId, TimelineId};
 
 profiling::global_allocator!();
 

@@ -7,10 +7,12 @@ use bytes::BytesMut;
 use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 
-use crate::protocol::{AcceptorProposerMessage, DecodeError, EncodeError, ProposerAcceptorMessage};
-use crate::types::TenantTimelineId;
 use pq_proto::PqError;
 use pq_proto::client::{ClientConfig, ClientConn, CopyBothReader, CopyBothWriter, CopyEvent};
+use sk_core::protocol::{
+    AcceptorProposerMessage, DecodeError, EncodeError, ProposerAcceptorMessage,
+};
+use sk_core::types::TenantTimelineId;
 
 /// Errors of a proposer connection.
 #[derive(Debug, thiserror::Error)]

@@ -3,9 +3,9 @@
 //! while the safekeeper's term is still N).
 
 use crate::proposer::conn::{ConnError, SafekeeperAddr};
-use crate::types::{Lsn, TenantTimelineId, Term};
 use pq_proto::client::{ClientConn, CopyEvent};
 use pq_proto::replication::ReplicationMessage;
+use sk_core::types::{Lsn, TenantTimelineId, Term};
 
 /// Upper bound on one recovery fetch: a proposer keeps what it fetched in memory.
 pub const MAX_FETCH_BYTES: u64 = 1 << 30;

@@ -28,15 +28,15 @@ use bytes::Bytes;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::protocol::{
-    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
-    ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
-};
-use crate::state::Configuration;
-use crate::types::{Generation, Lsn, TenantTimelineId, Term, TermHistory, TermLsn};
 use conn::{ConnError, PushReader, PushWriter, SafekeeperAddr, connect_push};
 use pg_wal::decoder::WalStreamDecoder;
 use pg_wal::format::page_header_size;
+use sk_core::protocol::{
+    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
+    ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
+};
+use sk_core::state::Configuration;
+use sk_core::types::{Generation, Lsn, TenantTimelineId, Term, TermHistory, TermLsn};
 
 /// Largest WAL payload of one append (neon's `MAX_SEND_SIZE`).
 pub const MAX_SEND_SIZE: usize = 128 * 1024;

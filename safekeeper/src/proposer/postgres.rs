@@ -27,11 +27,11 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use super::{Proposer, ProposerError};
-use crate::types::Lsn;
 use pg_wal::format::is_valid_seg_size;
 use pq_proto::client::{ClientConfig, ClientConn};
 use pq_proto::replication::{ReplicationError, ReplicationMessage, StandbyMessage};
 use pq_proto::{BackendMessage, PqError};
+use sk_core::types::Lsn;
 
 /// Default name of the physical slot on the primary.
 pub const DEFAULT_SLOT: &str = "walproposer";

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::{Proposer, ProposerError};
-use crate::types::Lsn;
 use pg_wal::generator::WalGenerator;
+use sk_core::types::Lsn;
 
 /// What to generate.
 #[derive(Clone, Debug)]

@@ -10,12 +10,12 @@ use bytes::Bytes;
 use safekeeper::config::Conf;
 use safekeeper::daemon;
 use safekeeper::proposer::conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
-use safekeeper::protocol::{
+use sk_core::protocol::{
     AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
     ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
 };
-use safekeeper::state::Configuration;
-use safekeeper::types::{
+use sk_core::state::Configuration;
+use sk_core::types::{
     Generation, Lsn, TenantId, TenantTimelineId, Term, TermHistory, TermLsn, TimelineId,
 };
 use tokio::sync::oneshot;

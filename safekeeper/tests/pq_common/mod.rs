@@ -18,7 +18,7 @@ use pq_proto::replication::StandbyMessage;
 use pq_proto::server::{ServerConfig, ServerConn};
 use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
 use safekeeper::command::{ReplicationCommand, parse_command};
-use safekeeper::types::Lsn;
+use sk_core::types::Lsn;
 use tokio::net::{TcpListener, TcpStream};
 
 pub const SYSTEM_ID: &str = "7000000000000000001";

@@ -2,13 +2,14 @@
 //! tenant and timeline ids, and [`TermHistory`] with the highest-common-point search the election
 //! uses.
 //!
-//! Pure code: no I/O, no clock. Everything here is shared by the WAL format, the consensus core,
-//! storage and the network layers.
+//! Pure code: no I/O, no clock. Everything here is shared by the consensus core, storage and the
+//! network layers. [`Lsn`] itself lives in `pg_wal` (the WAL format needs it first) and is
+//! re-exported here.
 
 use std::fmt;
 use std::str::FromStr;
 
-pub use pg_wal::{Lsn, LsnParseError, XLOG_BLCKSZ};
+pub use pg_wal::{Lsn, LsnParseError};
 
 /// A consensus term (Raft term, Paxos ballot). Terms only grow.
 #[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize)]

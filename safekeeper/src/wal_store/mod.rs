@@ -15,20 +15,20 @@
 //! before it touches the disk.
 //!
 //! Not here: deciding what to write or truncate (the consensus core), when to flush (the
-//! `WalAcceptor`), the control file ([`super::control_file`]), or which segments may be removed
+//! `WalAcceptor`), the control file ([`crate::control_file`]), or which segments may be removed
 //! (the caller passes the horizon to [`WalFileStore::remove_segments_up_to`]).
 
 use std::path::{Path, PathBuf};
 
-use super::durable::{SyncKind, durable_rename, fsync_dir, fsync_or_abort};
-use super::fs::{FileHandle, Fs, OpenMode, read_full_at};
-use super::{Error, Result, WalStore};
-use crate::types::Lsn;
 use pg_wal::WalStreamDecoder;
 use pg_wal::format::first_segment_image;
 use pg_wal::format::{
     PG_TLI, PageHeader, XLOG_PAGE_MAGIC, is_valid_seg_size, parse_xlog_file_name, xlog_file_name,
 };
+use sk_core::storage::durable::{SyncKind, durable_rename, fsync_dir, fsync_or_abort};
+use sk_core::storage::fs::{FileHandle, Fs, OpenMode, read_full_at};
+use sk_core::storage::{Error, Result, WalStore};
+use sk_core::types::Lsn;
 
 /// Temporary name of a segment being created.
 pub const TMP_SEGMENT_NAME: &str = "waltmp";
@@ -679,7 +679,7 @@ impl WalStore for WalFileStore {
     }
 
     fn write_wal(&mut self, start: Lsn, buf: &[u8]) -> Result<()> {
-        if crate::failpoint::active("wal-write-enospc") {
+        if sk_core::failpoint::active("wal-write-enospc") {
             return Err(Error::io(
                 format!("writing WAL at {start} (failpoint)"),
                 std::io::Error::from_raw_os_error(libc::ENOSPC),
@@ -930,9 +930,13 @@ mod tests {
     }
 
     /// A simulated file system holding the empty directory `/tl`.
-    fn sim_dir() -> (std::sync::Arc<crate::storage::fs::SimFs>, Fs, &'static Path) {
+    fn sim_dir() -> (
+        std::sync::Arc<sk_core::storage::fs::SimFs>,
+        Fs,
+        &'static Path,
+    ) {
         let dir = Path::new("/tl");
-        let (sim, fs) = crate::storage::fs::SimFs::with_dir(dir);
+        let (sim, fs) = sk_core::storage::fs::SimFs::with_dir(dir);
         (sim, fs, dir)
     }
 
@@ -1036,7 +1040,7 @@ mod tests {
     /// prepared segments survives the harshest power loss on the simulated file system.
     #[test]
     fn flushed_wal_in_prepared_segments_survives_power_loss() {
-        use crate::storage::fs::FileSystem;
+        use sk_core::storage::fs::FileSystem;
         let (sim, fs, dir) = sim_dir();
         let o = WalFileOptions {
             prepare_below_rate: u64::MAX,

@@ -6,8 +6,8 @@
 //! and the in-memory store fakes ([`super::mem`]) model an atomic, durable rename, so neither can
 //! catch a missing *directory* fsync. [`SimFs`] follows POSIX's weakest reading, as LazyFS and
 //! ALICE do: a rename or a new file is durable only once its directory is fsynced, and a file's
-//! writes only once the file is. The model test runs the real [`super::wal_file`] and
-//! [`super::control_file`] stores on it.
+//! writes only once the file is. The model test runs the real file stores of the `safekeeper`
+//! crate (`wal_store`, `control_file`) on it.
 //!
 //! What [`SimFs`] does not model: directory creation (durable at once), reordering of one
 //! file's unsynced writes (a power loss keeps a random *prefix* of them, which includes torn
@@ -20,7 +20,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::durable::SyncKind;
+use crate::storage::durable::SyncKind;
 
 /// How to open a file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,7 +40,7 @@ pub trait FileHandle: fmt::Debug + Send + Sync {
     /// Writes all of `buf` at `off`, extending the file with zeros if `off` is past its end.
     fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
     fn set_len(&self, len: u64) -> io::Result<()>;
-    /// `fdatasync` or `fsync`. Callers go through [`super::durable::fsync_or_abort`].
+    /// `fdatasync` or `fsync`. Callers go through [`crate::storage::durable::fsync_or_abort`].
     fn sync(&self, kind: SyncKind) -> io::Result<()>;
 
     /// Fills `buf` from `off`; an error if the file ends first.
@@ -83,7 +83,7 @@ pub trait FileSystem: fmt::Debug + Send + Sync {
     fn list_dir(&self, path: &Path) -> io::Result<Vec<String>>;
     fn exists(&self, path: &Path) -> bool;
     /// Makes the entries of directory `path` durable. Callers go through
-    /// [`super::durable::fsync_dir`].
+    /// [`crate::storage::durable::fsync_dir`].
     fn sync_dir(&self, path: &Path) -> io::Result<()>;
 }
 
@@ -395,8 +395,7 @@ impl SimFs {
 
     /// A simulated file system holding the (durable, empty) directory `dir`, and an [`Fs`] on
     /// it (for tests).
-    #[cfg(test)]
-    pub(crate) fn with_dir(dir: &Path) -> (Arc<SimFs>, Fs) {
+    pub fn with_dir(dir: &Path) -> (Arc<SimFs>, Fs) {
         let sim = SimFs::new();
         sim.create_dir_all(dir)
             .expect("the simulation creates directories");

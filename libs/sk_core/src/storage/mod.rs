@@ -1,8 +1,9 @@
 //! Storage seams of the consensus core: the control-state store and the WAL store.
 //!
-//! The consensus core ([`crate::safekeeper`]) is generic over these two traits. Real
-//! implementations live in [`control_file`] and [`wal_file`]; in-memory fakes that can lose
-//! everything not yet synced ("power loss") live in [`mem`].
+//! The consensus core ([`crate::safekeeper`]) is generic over these two traits. The file
+//! implementations live in the `safekeeper` crate (`control_file`, `wal_store`), on the
+//! file-system seam [`fs`] with the durability helpers of [`durable`]; in-memory fakes that can
+//! lose everything not yet synced ("power loss") live in [`mem`].
 //!
 //! Durability contract shared by every implementation:
 //! - `ControlStore::persist` returns only once the new state is durable; a crash at any point
@@ -11,11 +12,9 @@
 //!   `WalStore::flush_wal` makes everything written so far durable. `flush_lsn()` never reports
 //!   more than is durable.
 
-pub mod control_file;
 pub mod durable;
 pub mod fs;
 pub mod mem;
-pub mod wal_file;
 
 use std::ops::Deref;
 

@@ -17,13 +17,13 @@
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 
-use super::durable::{SyncKind, durable_rename, fsync_or_abort};
-use super::fs::{Fs, OpenMode, read_full_at};
-use super::{ControlStore, Error, Result};
-use crate::state::{
+use sk_core::state::{
     AcceptorState, Configuration, SafekeeperId, ServerInfo, TimelinePersistentState,
 };
-use crate::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
+use sk_core::storage::durable::{SyncKind, durable_rename, fsync_or_abort};
+use sk_core::storage::fs::{Fs, OpenMode, read_full_at};
+use sk_core::storage::{ControlStore, Error, Result};
+use sk_core::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
 
 /// File name of the control file inside a timeline directory.
 pub const CONTROL_FILE_NAME: &str = "safekeeper.control";
@@ -523,7 +523,7 @@ mod tests {
     /// fsync); without that fsync the old state comes back.
     #[test]
     fn persisted_state_survives_power_loss_that_forgets_unsynced_renames() {
-        use crate::storage::fs::SimFs;
+        use sk_core::storage::fs::SimFs;
         let dir = Path::new("/tl");
         let (sim, fs) = SimFs::with_dir(dir);
         let mut store = FileControlStore::create_new_in(fs.clone(), dir, sample(), false).unwrap();
