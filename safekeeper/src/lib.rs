@@ -18,7 +18,6 @@ pub mod control_file;
 pub mod daemon;
 pub mod http;
 pub mod metrics;
-pub mod proposer;
 pub mod receive_wal;
 pub mod registry;
 pub mod send_wal;

@@ -156,7 +156,7 @@ async fn append_with_gap_ends_only_that_connection() {
         .await
         .unwrap();
     match p.reader.recv().await {
-        Err(safekeeper::proposer::conn::ConnError::Pq(e)) => match *e {
+        Err(walproposer::conn::ConnError::Pq(e)) => match *e {
             PqError::Server(e) => assert!(
                 e.message.contains("gap") || e.message.contains("rejected"),
                 "{e:?}"

@@ -18,13 +18,13 @@ use criterion::{
 };
 use safekeeper::config::Conf;
 use safekeeper::daemon;
-use safekeeper::proposer::conn::SafekeeperAddr;
-use safekeeper::proposer::synthetic::{self, SyntheticOptions};
-use safekeeper::proposer::{Proposer, ProposerConfig};
 use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use wal_bench::{KIB, SEG_SIZE, START, SYSID, runtime, temp_dir, ttid, volume};
+use walproposer::conn::SafekeeperAddr;
+use walproposer::synthetic::{self, SyntheticOptions};
+use walproposer::{Proposer, ProposerConfig};
 
 profiling::global_allocator!();
 

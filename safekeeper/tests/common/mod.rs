@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use safekeeper::config::Conf;
 use safekeeper::daemon;
-use safekeeper::proposer::conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
 use sk_core::protocol::{
     AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
     ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
@@ -20,6 +19,7 @@ use sk_core::types::{
 };
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use walproposer::conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
 
 pub const SEG_SIZE: u64 = 16 << 20;
 pub const SYSID: u64 = 7_400_000_000_000_000_001;

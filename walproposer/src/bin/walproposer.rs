@@ -1,15 +1,15 @@
 //! walproposer: elects itself over N safekeepers and streams WAL to them, committing on a
-//! quorum. Thin: flags, tracing, then `safekeeper::proposer`.
+//! quorum. Thin: flags, tracing, then `walproposer`.
 
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
-use safekeeper::proposer::conn::SafekeeperAddr;
-use safekeeper::proposer::postgres::{self, ConnInfo, Primary, SourceOptions};
-use safekeeper::proposer::synthetic::{self, SyntheticOptions};
-use safekeeper::proposer::{Proposer, ProposerConfig};
 use sk_core::types::{Lsn, TenantId, TenantTimelineId, TimelineId};
+use walproposer::conn::SafekeeperAddr;
+use walproposer::postgres::{self, ConnInfo, Primary, SourceOptions};
+use walproposer::synthetic::{self, SyntheticOptions};
+use walproposer::{Proposer, ProposerConfig};
 
 profiling::global_allocator!();
 

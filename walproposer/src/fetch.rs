@@ -2,7 +2,7 @@
 //! election (`START_REPLICATION ... (term='N')`, which serves durable but not yet committed WAL
 //! while the safekeeper's term is still N).
 
-use crate::proposer::conn::{ConnError, SafekeeperAddr};
+use crate::conn::{ConnError, SafekeeperAddr};
 use pq_proto::client::{ClientConn, CopyEvent};
 use pq_proto::replication::ReplicationMessage;
 use sk_core::types::{Lsn, TenantTimelineId, Term};
