@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use sk_core::state::{
     AcceptorState, Configuration, SafekeeperId, ServerInfo, TimelinePersistentState,
 };
-use sk_core::storage::durable::{SyncKind, durable_rename, fsync_or_abort};
-use sk_core::storage::fs::{Fs, OpenMode, read_full_at};
+use sk_core::storage::durable::{durable_rename, fsync_or_abort};
+use sk_core::storage::fs::{Fs, OpenMode, SyncKind, read_full_at};
 use sk_core::storage::{ControlStore, Error, Result};
 use sk_core::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
 

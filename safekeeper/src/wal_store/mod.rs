@@ -25,8 +25,8 @@ use pg_wal::format::first_segment_image;
 use pg_wal::format::{
     PG_TLI, PageHeader, XLOG_PAGE_MAGIC, is_valid_seg_size, parse_xlog_file_name, xlog_file_name,
 };
-use sk_core::storage::durable::{SyncKind, durable_rename, fsync_dir, fsync_or_abort};
-use sk_core::storage::fs::{FileHandle, Fs, OpenMode, read_full_at};
+use sk_core::storage::durable::{durable_rename, fsync_dir, fsync_or_abort};
+use sk_core::storage::fs::{FileHandle, Fs, OpenMode, SyncKind, read_full_at};
 use sk_core::storage::{Error, Result, WalStore};
 use sk_core::types::Lsn;
 

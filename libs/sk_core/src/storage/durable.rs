@@ -9,17 +9,7 @@
 
 use std::path::Path;
 
-use super::fs::{FileHandle, Fs};
-
-/// What to make durable.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SyncKind {
-    /// `fdatasync`: data and the metadata needed to read it back (enough for a file whose size
-    /// does not change).
-    Data,
-    /// `fsync`: data and all metadata (size changes, directories).
-    All,
-}
+use super::fs::{FileHandle, Fs, SyncKind};
 
 /// Syncs `file` (named `path` in the log) or aborts the process: the one place a failed fsync
 /// is handled.

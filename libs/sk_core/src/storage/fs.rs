@@ -20,8 +20,6 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::storage::durable::SyncKind;
-
 /// How to open a file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpenMode {
@@ -31,6 +29,16 @@ pub enum OpenMode {
     ReadWrite,
     /// Created if missing, truncated to zero length, for reading and writing.
     CreateTruncate,
+}
+
+/// What to make durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncKind {
+    /// `fdatasync`: data and the metadata needed to read it back (enough for a file whose size
+    /// does not change).
+    Data,
+    /// `fsync`: data and all metadata (size changes, directories).
+    All,
 }
 
 /// An open file: positional reads and writes only.
