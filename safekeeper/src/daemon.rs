@@ -101,14 +101,6 @@ pub async fn bind(conf: &Conf) -> anyhow::Result<Listeners> {
     Ok(Listeners { http, pg })
 }
 
-/// Process-wide state shared by the HTTP handlers and the services.
-pub struct SharedState {
-    pub conf: Conf,
-    pub started: Instant,
-    pub started_at: SystemTime,
-    pub timelines: Arc<GlobalTimelines>,
-}
-
 /// How long shutdown waits for connections to finish their in-flight work.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
 
@@ -142,7 +134,7 @@ pub async fn run(
     let timelines = Arc::new(timelines);
     profiling::register_metrics();
     crate::metrics::register();
-    crate::metrics::TimelineCollector::register(&timelines);
+    crate::timeline::TimelineCollector::register(&timelines);
     tracing::info!(
         id = conf.id,
         datadir = %conf.datadir.display(),
@@ -163,7 +155,7 @@ pub async fn run(
         cancel.clone(),
         tasks.clone(),
     ));
-    let state = Arc::new(SharedState {
+    let state = Arc::new(http::AppState {
         conf,
         started: Instant::now(),
         started_at: SystemTime::now(),

@@ -1,8 +1,12 @@
 //! The HTTP API: status, Prometheus metrics, and the profiling routes.
 //!
-//! [`app`] builds the whole router so tests can call it without a socket.
+//! [`app`] builds the whole router over an [`AppState`] (axum's state pattern: the daemon builds
+//! the state, the router only reads it), so tests can call it without a socket.
+//!
+//! Not here: starting and stopping the server ([`crate::daemon`]).
 
 use std::sync::Arc;
+use std::time::{Instant, SystemTime};
 
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
@@ -11,8 +15,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
 
-use crate::daemon::SharedState;
-use crate::timeline::TimelineStatus;
+use crate::config::Conf;
+use crate::timeline::{GlobalTimelines, TimelineStatus};
 use sk_core::types::TenantTimelineId;
 
 /// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
@@ -44,8 +48,20 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// What the handlers read: built once by the daemon, shared by every request.
+pub struct AppState {
+    /// The daemon's configuration.
+    pub conf: Conf,
+    /// When the daemon started (for the uptime).
+    pub started: Instant,
+    /// The same moment on the wall clock (for `started_at_unix`).
+    pub started_at: SystemTime,
+    /// The node's timelines.
+    pub timelines: Arc<GlobalTimelines>,
+}
+
 /// The safekeeper's HTTP router.
-pub fn app(state: Arc<SharedState>) -> Router {
+pub fn app(state: Arc<AppState>) -> Router {
     let router = Router::new()
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
@@ -68,7 +84,7 @@ struct Status {
     datadir: String,
 }
 
-async fn status(State(state): State<Arc<SharedState>>) -> Json<Status> {
+async fn status(State(state): State<Arc<AppState>>) -> Json<Status> {
     Json(Status {
         id: state.conf.id,
         version: env!("CARGO_PKG_VERSION"),
@@ -85,12 +101,12 @@ async fn status(State(state): State<Arc<SharedState>>) -> Json<Status> {
     })
 }
 
-async fn timelines(State(state): State<Arc<SharedState>>) -> Json<Vec<TimelineStatus>> {
+async fn timelines(State(state): State<Arc<AppState>>) -> Json<Vec<TimelineStatus>> {
     Json(state.timelines.all().iter().map(|t| t.status()).collect())
 }
 
 async fn timeline_status(
-    State(state): State<Arc<SharedState>>,
+    State(state): State<Arc<AppState>>,
     Path((tenant_id, timeline_id)): Path<(String, String)>,
 ) -> Result<Json<TimelineStatus>, ApiError> {
     let ttid = TenantTimelineId {
@@ -127,13 +143,12 @@ mod testing {
     use axum::extract::Query;
     use axum::routing::put;
 
-    use super::ApiError;
-    use crate::daemon::SharedState;
+    use super::{ApiError, AppState};
 
     /// Memory a test asked the daemon to hold, so heap profiles have a known allocation site.
     static RETAINED: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 
-    pub(super) fn routes() -> Router<Arc<SharedState>> {
+    pub(super) fn routes() -> Router<Arc<AppState>> {
         Router::new()
             .route(
                 "/v1/debug/retain_memory",

@@ -1,16 +1,14 @@
-//! Prometheus metrics of the safekeeper (default registry). Per-timeline LSNs are read at scrape
-//! time by [`TimelineCollector`]; everything else is updated where it happens.
+//! Prometheus metrics of the safekeeper (default registry): process-wide statics, updated where
+//! things happen. A leaf: it imports nothing of this crate.
+//!
+//! Not here: per-timeline gauges, which are read from the timelines at scrape time by the
+//! collector that lives with them ([`crate::timeline::TimelineCollector`]).
 
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::LazyLock;
 
-use prometheus::core::{Collector, Desc};
-use prometheus::proto::MetricFamily;
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    exponential_buckets,
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, exponential_buckets,
 };
-
-use crate::timeline::GlobalTimelines;
 
 fn counter(name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
@@ -155,92 +153,4 @@ pub fn register() {
     LazyLock::force(&RECEIVER_QUEUE_BYTES);
     LazyLock::force(&PG_CONNECTIONS);
     LazyLock::force(&PROPOSER_MESSAGES);
-}
-
-/// Per-timeline gauges, read from the timelines at scrape time.
-pub struct TimelineCollector {
-    timelines: Weak<GlobalTimelines>,
-    descs: Vec<Desc>,
-}
-
-const TIMELINE_GAUGES: &[(&str, &str)] = &[
-    (
-        "safekeeper_flush_lsn",
-        "Durable end of the timeline's WAL (bytes)",
-    ),
-    (
-        "safekeeper_commit_lsn",
-        "Committed end of the timeline's WAL known here (bytes)",
-    ),
-    (
-        "safekeeper_acceptor_term",
-        "Current term of the timeline's acceptor",
-    ),
-    (
-        "safekeeper_timeline_wal_receivers",
-        "Proposers connected to the timeline",
-    ),
-    (
-        "safekeeper_timeline_wal_readers",
-        "Readers connected to the timeline",
-    ),
-];
-
-impl TimelineCollector {
-    pub fn register(timelines: &Arc<GlobalTimelines>) {
-        let descs = TIMELINE_GAUGES
-            .iter()
-            .map(|(name, help)| {
-                Desc::new(
-                    name.to_string(),
-                    help.to_string(),
-                    vec!["tenant_id".into(), "timeline_id".into()],
-                    Default::default(),
-                )
-                .expect("valid metric")
-            })
-            .collect();
-        let c = TimelineCollector {
-            timelines: Arc::downgrade(timelines),
-            descs,
-        };
-        // A second daemon in one process (tests) finds it registered already: keep the first.
-        let _ = prometheus::register(Box::new(c));
-    }
-}
-
-impl Collector for TimelineCollector {
-    fn desc(&self) -> Vec<&Desc> {
-        self.descs.iter().collect()
-    }
-
-    fn collect(&self) -> Vec<MetricFamily> {
-        let Some(timelines) = self.timelines.upgrade() else {
-            return Vec::new();
-        };
-        let vecs: Vec<IntGaugeVec> = TIMELINE_GAUGES
-            .iter()
-            .map(|(name, help)| {
-                IntGaugeVec::new(Opts::new(*name, *help), &["tenant_id", "timeline_id"])
-                    .expect("valid metric")
-            })
-            .collect();
-        for tl in timelines.all() {
-            let s = tl.status();
-            let t = tl.ttid.tenant_id.to_string();
-            let l = tl.ttid.timeline_id.to_string();
-            let labels = [t.as_str(), l.as_str()];
-            let values = [
-                s.flush_lsn.0 as i64,
-                s.commit_lsn.0 as i64,
-                s.term.0 as i64,
-                s.proposers as i64,
-                s.readers as i64,
-            ];
-            for (v, value) in vecs.iter().zip(values) {
-                v.with_label_values(&labels).set(value);
-            }
-        }
-        vecs.iter().flat_map(|v| v.collect()).collect()
-    }
 }
