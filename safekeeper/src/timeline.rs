@@ -25,8 +25,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::control_file::{CONTROL_FILE_NAME, FileControlStore};
-use crate::wal_store::{WalFileOptions, WalFileStore, WalReader};
-use pg_wal::decoder::WalStreamDecoder;
+use crate::wal_store::{WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
 use pg_wal::format::is_valid_seg_size;
 use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, ProposerGreeting};
 use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
@@ -116,13 +115,20 @@ impl Timeline {
                 zero_fill: false,
                 prepare_below_rate: PREPARE_SEGMENTS_BELOW_RATE,
                 fs: Fs::default(),
+                background: Default::default(),
             },
         )?;
         let ttid = TenantTimelineId {
             tenant_id: control.tenant_id,
             timeline_id: control.timeline_id,
         };
-        verify_committed_wal(dir, seg_size, control.local_start_lsn, control.commit_lsn)?;
+        verify_committed_wal(
+            &Fs::default(),
+            dir,
+            seg_size,
+            control.local_start_lsn,
+            control.commit_lsn,
+        )?;
         let acceptor = SafeKeeper::new(node_id, control, wal)
             .with_context(|| format!("starting timeline {ttid} in {}", dir.display()))?;
         let positions = positions_of(&acceptor);
@@ -233,50 +239,6 @@ impl Timeline {
     pub fn reader_guard(self: &Arc<Self>) -> ConnectionGuard {
         ConnectionGuard::new(self.clone(), Role::Reader)
     }
-}
-
-/// Decodes every record of the committed WAL, `[from, commit)`, checking page headers, CRC-32C
-/// and `xl_prev` links. Recovery proper only decodes from `commit` on (to find the end of WAL);
-/// this catches corruption *below* the commit LSN, which would otherwise be served to readers.
-/// Linear in the WAL kept; reads run at page-cache or disk speed.
-pub fn verify_committed_wal(
-    dir: &Path,
-    seg_size: u64,
-    from: Lsn,
-    commit: Lsn,
-) -> anyhow::Result<()> {
-    const CHUNK: u64 = 4 << 20;
-    if !from.is_valid() || from >= commit {
-        return Ok(());
-    }
-    let reader = WalReader::new(dir, seg_size);
-    let mut decoder = WalStreamDecoder::new(from, seg_size);
-    let mut buf = Vec::with_capacity(CHUNK as usize);
-    let mut pos = from;
-    while pos < commit {
-        let end = Lsn(pos.0 + CHUNK.min(commit.0 - pos.0));
-        buf.clear();
-        reader
-            .read(pos, end, &mut buf)
-            .with_context(|| format!("reading committed WAL in {}", dir.display()))?;
-        if let Err(e) = decoder.feed(&buf) {
-            anyhow::bail!(
-                "{e} in {}, below the commit LSN {commit}: refusing to start, committed WAL \
-                 would be lost or served corrupt",
-                dir.display()
-            );
-        }
-        pos = end;
-    }
-    if decoder.last_record_end() != commit {
-        anyhow::bail!(
-            "committed WAL in {} ends at {} inside a record, not at the commit LSN {commit}: \
-             refusing to start",
-            dir.display(),
-            decoder.last_record_end()
-        );
-    }
-    Ok(())
 }
 
 fn positions_of(a: &Acceptor) -> Positions {

@@ -1,0 +1,137 @@
+//! Segment files: their names (PostgreSQL's `%08X%08X%08X`, `.partial` while being written),
+//! opening them, and creating them blank and full-size under a temporary name so that appends
+//! into them never change a file size.
+//!
+//! Not here: what goes into a segment (the store, [`super::WalFileStore`]), preparing one off the
+//! ingest path ([`super::prepare`]), recovery ([`super::recovery`]).
+
+use std::path::{Path, PathBuf};
+
+use pg_wal::format::{PG_TLI, xlog_file_name};
+use sk_core::storage::durable::{durable_rename, fsync_or_abort};
+use sk_core::storage::fs::{FileHandle, Fs, OpenMode, SyncKind};
+use sk_core::storage::{Error, Result};
+
+use super::WalFileOptions;
+
+/// Temporary name of a segment being created.
+pub const TMP_SEGMENT_NAME: &str = "waltmp";
+/// Suffix of the segment being written.
+pub const PARTIAL_SUFFIX: &str = ".partial";
+
+/// Path of segment `segno` in `dir`, plain or `.partial`.
+pub fn segment_path(dir: &Path, segno: u64, seg_size: u64, partial: bool) -> PathBuf {
+    let mut name = xlog_file_name(PG_TLI, segno, seg_size);
+    if partial {
+        name.push_str(PARTIAL_SUFFIX);
+    }
+    dir.join(name)
+}
+
+/// An open segment file.
+pub(super) type SegmentFile = Box<dyn FileHandle>;
+
+/// Opens segment `segno` for reading and writing, `.partial` first, then the plain name.
+/// Returns the file, its path and whether it is the `.partial` one; `None` if neither exists.
+pub(super) fn open_segment(
+    fs: &Fs,
+    dir: &Path,
+    segno: u64,
+    seg_size: u64,
+) -> Result<Option<(SegmentFile, PathBuf, bool)>> {
+    open_segment_as(fs, dir, segno, seg_size, OpenMode::ReadWrite)
+}
+
+/// Opens segment `segno` read-only, `.partial` first, then the plain name.
+pub(super) fn open_segment_ro(
+    fs: &Fs,
+    dir: &Path,
+    segno: u64,
+    seg_size: u64,
+) -> Result<Option<(SegmentFile, PathBuf)>> {
+    Ok(open_segment_as(fs, dir, segno, seg_size, OpenMode::Read)?.map(|(f, path, _)| (f, path)))
+}
+
+fn open_segment_as(
+    fs: &Fs,
+    dir: &Path,
+    segno: u64,
+    seg_size: u64,
+    mode: OpenMode,
+) -> Result<Option<(SegmentFile, PathBuf, bool)>> {
+    for partial in [true, false] {
+        let path = segment_path(dir, segno, seg_size, partial);
+        match fs.open(&path, mode) {
+            Ok(f) => return Ok(Some((f, path, partial))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
+        }
+    }
+    Ok(None)
+}
+
+/// Zero-filled 1 MiB block for [`write_zeros`].
+const ZEROS_LEN: usize = 1 << 20;
+
+/// Writes real zeros over `[from, to)` of `f` (allocating the blocks, unlike `set_len`).
+pub(super) fn write_zeros(f: &dyn FileHandle, from: u64, to: u64) -> std::io::Result<()> {
+    let zeros = vec![0u8; ZEROS_LEN.min((to - from) as usize)];
+    let mut off = from;
+    while off < to {
+        let n = ((to - off) as usize).min(zeros.len());
+        f.write_all_at(&zeros[..n], off)?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// Creates (or empties) the file `path` as a blank segment of `seg_size` bytes, real zeros or
+/// sparse, durable at full size unless `no_sync`: appends into it later change no file size,
+/// so `fdatasync` is enough for them.
+pub(super) fn write_blank_segment(
+    fs: &Fs,
+    path: &Path,
+    seg_size: u64,
+    zero_fill: bool,
+    no_sync: bool,
+) -> Result<SegmentFile> {
+    let f = fs
+        .open(path, OpenMode::CreateTruncate)
+        .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+    if zero_fill {
+        write_zeros(&*f, 0, seg_size)
+    } else {
+        f.set_len(seg_size)
+    }
+    .map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
+    if !no_sync {
+        fsync_or_abort(&*f, path, SyncKind::All);
+    }
+    Ok(f)
+}
+
+/// Creates segment `segno` as a blank, full-size `.partial` file ([`write_blank_segment`]) under
+/// a temporary name, renamed in durably.
+pub(super) fn create_segment(
+    dir: &Path,
+    segno: u64,
+    seg_size: u64,
+    opts: &WalFileOptions,
+) -> Result<(SegmentFile, PathBuf)> {
+    let fs = &opts.fs;
+    let tmp = dir.join(TMP_SEGMENT_NAME);
+    let path = segment_path(dir, segno, seg_size, true);
+    let result = (|| {
+        let f = write_blank_segment(fs, &tmp, seg_size, opts.zero_fill, opts.no_sync)?;
+        durable_rename(fs, &tmp, &path, dir, opts.no_sync)?;
+        Ok(f)
+    })();
+    match result {
+        Ok(f) => Ok((f, path)),
+        Err(e) => {
+            // Leave no half-made segment behind (e.g. after ENOSPC).
+            let _ = fs.remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
