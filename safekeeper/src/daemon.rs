@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Conf;
-use crate::timeline::GlobalTimelines;
+use crate::registry::{GlobalTimelines, TimelineCollector};
 use crate::{http, wal_service};
 use pq_proto::server::ServerConfig;
 
@@ -134,7 +134,7 @@ pub async fn run(
     let timelines = Arc::new(timelines);
     profiling::register_metrics();
     crate::metrics::register();
-    crate::timeline::TimelineCollector::register(&timelines);
+    TimelineCollector::register(&timelines);
     tracing::info!(
         id = conf.id,
         datadir = %conf.datadir.display(),

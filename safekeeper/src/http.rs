@@ -16,19 +16,39 @@ use axum::{Json, Router};
 use serde::Serialize;
 
 use crate::config::Conf;
-use crate::timeline::{GlobalTimelines, TimelineStatus};
+use crate::registry::GlobalTimelines;
+use crate::timeline::{TimelineError, TimelineStatus};
 use sk_core::types::TenantTimelineId;
 
 /// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
 /// generic body (details in the log) for ours.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
+    /// 400: the caller's mistake, with the reason.
     #[error("{0}")]
     BadRequest(String),
+    /// 404: no such object.
     #[error("{0}")]
     NotFound(String),
-    #[error("internal error: {0:#}")]
-    Internal(#[from] anyhow::Error),
+    /// 500: our fault; the details go to the log, not to the caller.
+    #[error("internal error: {0}")]
+    Internal(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<TimelineError> for ApiError {
+    fn from(e: TimelineError) -> ApiError {
+        match e {
+            TimelineError::NotFound(ttid) => {
+                ApiError::NotFound(format!("timeline {ttid} not found"))
+            }
+            TimelineError::BadSegmentSize(_) => ApiError::BadRequest(e.to_string()),
+            TimelineError::Corruption { .. }
+            | TimelineError::NoSpace(_)
+            | TimelineError::Io { .. }
+            | TimelineError::Rejected(_)
+            | TimelineError::Acceptor { .. } => ApiError::Internal(e.into()),
+        }
+    }
 }
 
 impl IntoResponse for ApiError {
@@ -37,7 +57,7 @@ impl IntoResponse for ApiError {
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response(),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, format!("{m}\n")).into_response(),
             ApiError::Internal(e) => {
-                tracing::error!("HTTP request failed: {e:#}");
+                tracing::error!("HTTP request failed: {e}");
                 (
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "internal error (details in the server log)\n",
@@ -120,7 +140,7 @@ async fn timeline_status(
     let tl = state
         .timelines
         .get(&ttid)
-        .ok_or_else(|| ApiError::NotFound(format!("timeline {ttid} not found")))?;
+        .ok_or(TimelineError::NotFound(ttid))?;
     Ok(Json(tl.status()))
 }
 

@@ -6,8 +6,8 @@
 //! `SafeKeeper::process_msg`, storage traits) → this crate. Inside it:
 //! 1. storage: [`control_file`] and [`wal_store`], the file implementations of `sk_core`'s
 //!    storage traits;
-//! 2. timelines: [`registry`] (timelines by id) and [`timeline`] (timelines behind locks, the
-//!    node's registry);
+//! 2. timelines: [`timeline`] (one timeline's acceptor behind a lock, its positions and typed
+//!    errors) and [`registry`] (the node's timelines: loading, lookup, creation, metrics);
 //! 3. network and tasks (tokio): [`command`] (neon's replication commands), [`wal_service`] (the
 //!    listener), [`receive_wal`] (the pipelined WAL acceptor), [`send_wal`] (the walsender);
 //! 4. HTTP: [`http`], [`metrics`]; [`config`] and [`daemon`] tie everything together.

@@ -2,7 +2,7 @@
 //! things happen. A leaf: it imports nothing of this crate.
 //!
 //! Not here: per-timeline gauges, which are read from the timelines at scrape time by the
-//! collector that lives with them ([`crate::timeline::TimelineCollector`]).
+//! collector that lives with them ([`crate::registry::TimelineCollector`]).
 
 use std::sync::LazyLock;
 

@@ -23,7 +23,8 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics;
-use crate::timeline::{GlobalTimelines, Timeline};
+use crate::registry::GlobalTimelines;
+use crate::timeline::Timeline;
 use pq_proto::PqError;
 use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
 use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
@@ -143,11 +144,8 @@ where
     let tl = match tl {
         Ok(tl) => tl,
         Err(e) => {
-            return end_with_error(
-                &mut writer,
-                ErrorFields::error(sqlstate::UNDEFINED_OBJECT, e.to_string()),
-            )
-            .await;
+            return end_with_error(&mut writer, ErrorFields::error(e.sqlstate(), e.to_string()))
+                .await;
         }
     };
     let _counted = tl.proposer_guard();

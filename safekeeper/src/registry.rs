@@ -1,197 +1,357 @@
-//! The timeline registry: maps `(tenant, timeline)` to that timeline's [`SafeKeeper`], creating
-//! one on a greeting when the connection allows it.
+//! The node's timelines: the one registry ([`GlobalTimelines`]) that loads them at start-up,
+//! finds them by id, creates new ones on a proposer's greeting, persists their in-memory state
+//! in the background, and exposes their per-timeline gauges to Prometheus
+//! ([`TimelineCollector`]).
 //!
-//! Sans-IO and single-threaded: storage for a new timeline comes from a [`TimelineFactory`]
-//! (files in the daemon, in-memory fakes in tests), and the caller supplies the creation time.
-//! The tokio layer wraps the registry (or each timeline) in locks; this module knows nothing of
-//! that.
+//! Layout on disk: `<datadir>/<tenant_id>/<timeline_id>/` holds `safekeeper.control` and the WAL
+//! segments. A new timeline is built under `<datadir>/tmp/` and renamed into place durably, so a
+//! crash never leaves a half-created timeline behind. Every file-system call goes through the
+//! [`Fs`] seam, so the registry runs on the simulated file system as well as on the real one.
+//!
+//! Locking: the map is a `std::sync::Mutex` held for lookups only; creations are serialized by a
+//! second lock and build the timeline (directory creation and fsyncs) without holding the map.
+//!
+//! Not here: one timeline's acceptor and positions ([`crate::timeline`]), what a connection does
+//! with a timeline ([`crate::receive_wal`], [`crate::send_wal`]).
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime};
 
-use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, ProposerGreeting};
-use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
+use pg_wal::format::is_valid_seg_size;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{IntGaugeVec, Opts};
+use sk_core::protocol::ProposerGreeting;
 use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
-use sk_core::storage::{self, ControlStore, WalStore};
-use sk_core::types::{NodeId, TenantTimelineId};
+use sk_core::storage::durable::fsync_dir;
+use sk_core::storage::fs::Fs;
+use sk_core::types::{NodeId, TenantId, TenantTimelineId};
 
-/// Makes the storage of a new timeline. `create` must make `state` durable before it returns
-/// (neon builds the directory under a temporary name and renames it in).
-pub trait TimelineFactory {
-    type Ctrl: ControlStore;
-    type Wal: WalStore;
+use crate::control_file::{CONTROL_FILE_NAME, FileControlStore};
+use crate::timeline::{Timeline, TimelineError};
 
-    fn create(
-        &mut self,
-        state: &TimelinePersistentState,
-    ) -> Result<(Self::Ctrl, Self::Wal), storage::Error>;
-}
+/// How often the timeline manager looks for in-memory state to persist.
+const MANAGER_TICK: Duration = Duration::from_millis(300);
+/// Where new timelines are built before they are renamed into place.
+const TMP_DIR: &str = "tmp";
 
-/// Errors of the registry.
-#[derive(Debug, thiserror::Error)]
-pub enum RegistryError {
-    #[error("timeline {0} does not exist and creation is not allowed")]
-    NoTimeline(TenantTimelineId),
-    #[error("connection is for timeline {connection}, greeting is for {greeting}")]
-    GreetingForOtherTimeline {
-        connection: TenantTimelineId,
-        greeting: TenantTimelineId,
-    },
-    #[error("timeline {0} already exists")]
-    AlreadyExists(TenantTimelineId),
-    #[error("creating timeline {ttid}: {source}")]
-    Create {
-        ttid: TenantTimelineId,
-        #[source]
-        source: storage::Error,
-    },
-    #[error(transparent)]
-    SafeKeeper(#[from] SafeKeeperError),
-}
-
-/// All timelines of one safekeeper node.
-pub struct Registry<F: TimelineFactory> {
+/// All timelines of this node.
+pub struct GlobalTimelines {
+    fs: Fs,
+    datadir: PathBuf,
     node_id: NodeId,
-    factory: F,
-    timelines: HashMap<TenantTimelineId, SafeKeeper<F::Ctrl, F::Wal>>,
+    no_sync: bool,
+    map: Mutex<HashMap<TenantTimelineId, Arc<Timeline>>>,
+    /// Serializes creations (a blocking section: directory creation and fsyncs).
+    create_lock: Mutex<()>,
 }
 
-impl<F: TimelineFactory> Registry<F> {
-    pub fn new(node_id: NodeId, factory: F) -> Registry<F> {
-        Registry {
-            node_id,
-            factory,
-            timelines: HashMap::new(),
-        }
+impl GlobalTimelines {
+    /// Loads every timeline under `datadir` on the real file system (see
+    /// [`GlobalTimelines::load_in`]).
+    pub fn load(
+        datadir: &Path,
+        node_id: NodeId,
+        no_sync: bool,
+    ) -> Result<GlobalTimelines, TimelineError> {
+        GlobalTimelines::load_in(Fs::real(), datadir, node_id, no_sync)
     }
 
+    /// Loads every timeline under `datadir` on `fs`. Any timeline that fails verification (a
+    /// corrupt control file, WAL ending below its commit LSN) stops start-up: serving on would
+    /// risk acknowledged data.
+    pub fn load_in(
+        fs: Fs,
+        datadir: &Path,
+        node_id: NodeId,
+        no_sync: bool,
+    ) -> Result<GlobalTimelines, TimelineError> {
+        let tmp = datadir.join(TMP_DIR);
+        if fs.exists(&tmp) {
+            // Half-built timelines from a crash during creation: never acknowledged anything.
+            fs.remove_dir_all(&tmp)
+                .map_err(|e| TimelineError::io(format!("removing {}", tmp.display()), e))?;
+        }
+        let mut map = HashMap::new();
+        for tenant in list_dir_sorted(&fs, datadir)? {
+            let Some(name) = tenant.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            if !fs.is_dir(&tenant) || name.parse::<TenantId>().is_err() {
+                continue;
+            }
+            for dir in list_dir_sorted(&fs, &tenant)? {
+                if !fs.exists(&dir.join(CONTROL_FILE_NAME)) {
+                    continue;
+                }
+                let tl = Timeline::open(&fs, &dir, node_id, no_sync)?;
+                tracing::info!(ttid = %tl.ttid, positions = ?tl.positions(), "timeline loaded");
+                map.insert(tl.ttid, Arc::new(tl));
+            }
+        }
+        Ok(GlobalTimelines {
+            fs,
+            datadir: datadir.to_path_buf(),
+            node_id,
+            no_sync,
+            map: Mutex::new(map),
+            create_lock: Mutex::new(()),
+        })
+    }
+
+    /// This node's id.
     pub fn node_id(&self) -> NodeId {
         self.node_id
     }
 
-    /// Adds a timeline loaded at start-up.
-    pub fn insert(&mut self, sk: SafeKeeper<F::Ctrl, F::Wal>) -> Result<(), RegistryError> {
-        let ttid = sk.ttid();
-        if self.timelines.contains_key(&ttid) {
-            return Err(RegistryError::AlreadyExists(ttid));
-        }
-        self.timelines.insert(ttid, sk);
-        Ok(())
+    /// The timeline `ttid`, if this node has it.
+    pub fn get(&self, ttid: &TenantTimelineId) -> Option<Arc<Timeline>> {
+        self.map.lock().expect("timelines lock").get(ttid).cloned()
     }
 
-    pub fn get(&self, ttid: &TenantTimelineId) -> Option<&SafeKeeper<F::Ctrl, F::Wal>> {
-        self.timelines.get(ttid)
+    /// Every timeline, ordered by id.
+    pub fn all(&self) -> Vec<Arc<Timeline>> {
+        let mut v: Vec<_> = self
+            .map
+            .lock()
+            .expect("timelines lock")
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by_key(|t| t.ttid);
+        v
     }
 
-    pub fn get_mut(&mut self, ttid: &TenantTimelineId) -> Option<&mut SafeKeeper<F::Ctrl, F::Wal>> {
-        self.timelines.get_mut(ttid)
-    }
-
-    pub fn remove(&mut self, ttid: &TenantTimelineId) -> Option<SafeKeeper<F::Ctrl, F::Wal>> {
-        self.timelines.remove(ttid)
-    }
-
-    pub fn len(&self) -> usize {
-        self.timelines.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.timelines.is_empty()
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (&TenantTimelineId, &SafeKeeper<F::Ctrl, F::Wal>)> {
-        self.timelines.iter()
-    }
-
-    pub fn iter_mut(
-        &mut self,
-    ) -> impl Iterator<Item = (&TenantTimelineId, &mut SafeKeeper<F::Ctrl, F::Wal>)> {
-        self.timelines.iter_mut()
-    }
-
-    /// The timeline a greeting is for; if absent and `allow_creation`, creates it empty (no
-    /// membership, LSNs 0, server info from the greeting). The greeting itself is not processed.
+    /// The timeline a greeting names, created if absent and `allow_creation`. Blocking when it
+    /// creates (directory creation and fsyncs).
     pub fn get_or_create(
-        &mut self,
+        &self,
         greeting: &ProposerGreeting,
         allow_creation: bool,
-        creation_ts: u64,
-    ) -> Result<&mut SafeKeeper<F::Ctrl, F::Wal>, RegistryError> {
+    ) -> Result<Arc<Timeline>, TimelineError> {
         let ttid = greeting.ttid();
-        if !self.timelines.contains_key(&ttid) {
-            if !allow_creation {
-                return Err(RegistryError::NoTimeline(ttid));
-            }
-            let state = TimelinePersistentState::new(
-                ttid.tenant_id,
-                ttid.timeline_id,
-                Configuration::default(),
-                ServerInfo {
-                    pg_version: greeting.pg_version,
-                    system_id: greeting.system_id,
-                    wal_seg_size: greeting.wal_seg_size,
-                },
-                creation_ts,
-            );
-            let (ctrl, wal) = self
-                .factory
-                .create(&state)
-                .map_err(|source| RegistryError::Create { ttid, source })?;
-            let sk = SafeKeeper::new(self.node_id, ctrl, wal)?;
-            self.timelines.insert(ttid, sk);
+        if let Some(tl) = self.get(&ttid) {
+            return Ok(tl);
         }
-        Ok(self
-            .timelines
-            .get_mut(&ttid)
-            .expect("present or inserted just above"))
+        if !allow_creation {
+            return Err(TimelineError::NotFound(ttid));
+        }
+        if !is_valid_seg_size(greeting.wal_seg_size as u64) {
+            return Err(TimelineError::BadSegmentSize(greeting.wal_seg_size));
+        }
+        let _creating = self.create_lock.lock().expect("create lock");
+        if let Some(tl) = self.get(&ttid) {
+            return Ok(tl);
+        }
+        let tl = Arc::new(self.create(greeting)?);
+        self.map
+            .lock()
+            .expect("timelines lock")
+            .insert(ttid, tl.clone());
+        tracing::info!(%ttid, seg_size = greeting.wal_seg_size, "timeline created");
+        Ok(tl)
     }
 
-    /// Routes a message to its timeline. A greeting may create the timeline (if
-    /// `allow_creation`); any other message needs an existing timeline.
-    pub fn process_msg(
-        &mut self,
-        ttid: &TenantTimelineId,
-        msg: &ProposerAcceptorMessage,
-        allow_creation: bool,
-        creation_ts: u64,
-    ) -> Result<Option<AcceptorProposerMessage>, RegistryError> {
-        let sk = match msg {
-            ProposerAcceptorMessage::Greeting(g) => {
-                if g.ttid() != *ttid {
-                    return Err(RegistryError::GreetingForOtherTimeline {
-                        connection: *ttid,
-                        greeting: g.ttid(),
-                    });
-                }
-                self.get_or_create(g, allow_creation, creation_ts)?
-            }
-            _ => self
-                .timelines
-                .get_mut(ttid)
-                .ok_or(RegistryError::NoTimeline(*ttid))?,
+    /// Builds the directory of a new timeline under `tmp/`, makes its control file and its
+    /// entries durable, renames it into its tenant directory durably, and opens it.
+    fn create(&self, g: &ProposerGreeting) -> Result<Timeline, TimelineError> {
+        let fs = &self.fs;
+        let io = |what: &str, path: &Path| {
+            let context = format!("{what} {}", path.display());
+            move |e| TimelineError::io(context, e)
         };
-        Ok(sk.process_msg(msg)?)
+        let ttid = g.ttid();
+        let tmp = self
+            .datadir
+            .join(TMP_DIR)
+            .join(format!("{}_{}", ttid.tenant_id, ttid.timeline_id));
+        if fs.exists(&tmp) {
+            fs.remove_dir_all(&tmp).map_err(io("removing", &tmp))?;
+        }
+        fs.create_dir_all(&tmp).map_err(io("creating", &tmp))?;
+        let created = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        // Membership starts empty (generation 0); the greeting itself is processed next and
+        // adopts the proposer's configuration through the usual checks.
+        let state = TimelinePersistentState::new(
+            ttid.tenant_id,
+            ttid.timeline_id,
+            Configuration::default(),
+            ServerInfo {
+                pg_version: g.pg_version,
+                system_id: g.system_id,
+                wal_seg_size: g.wal_seg_size,
+            },
+            created,
+        );
+        FileControlStore::create_new_in(fs.clone(), &tmp, state, self.no_sync)?;
+        let tenant_dir = self.datadir.join(ttid.tenant_id.to_string());
+        let new_tenant = !fs.exists(&tenant_dir);
+        fs.create_dir_all(&tenant_dir)
+            .map_err(io("creating", &tenant_dir))?;
+        let dir = tenant_dir.join(ttid.timeline_id.to_string());
+        if !self.no_sync {
+            fsync_dir(fs, &tmp);
+        }
+        fs.rename(&tmp, &dir).map_err(|e| {
+            TimelineError::io(
+                format!("renaming {} to {}", tmp.display(), dir.display()),
+                e,
+            )
+        })?;
+        // The timeline directory is durable in its tenant directory before anyone uses it.
+        if !self.no_sync {
+            fsync_dir(fs, &tenant_dir);
+            if new_tenant {
+                fsync_dir(fs, &self.datadir);
+            }
+        }
+        Timeline::open(fs, &dir, self.node_id, self.no_sync)
+    }
+
+    /// Persists every timeline's in-memory state that is due, or all of it with `force`.
+    /// Blocking. Failures are logged: the next round (or shutdown) tries again.
+    fn persist(&self, force: bool) {
+        for tl in self.all() {
+            if let Err(e) = tl.maybe_persist(force) {
+                tracing::error!(ttid = %tl.ttid, "persisting control file: {e}");
+            }
+        }
+    }
+
+    /// Persists every timeline's in-memory state (shutdown). Blocking.
+    pub fn persist_all(&self) {
+        self.persist(true);
+    }
+
+    /// The timeline manager: persists in-memory LSNs off the ingest path, every 300 ms when due.
+    /// Runs until `shutdown` is cancelled. Cancellation-safe.
+    pub async fn run_manager(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(MANAGER_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.cancelled() => return,
+            }
+            let me = self.clone();
+            if let Err(e) = tokio::task::spawn_blocking(move || me.persist(false)).await {
+                tracing::error!("timeline manager task failed: {e}");
+            }
+        }
+    }
+}
+
+/// The entries of directory `dir`, as paths, in name order.
+fn list_dir_sorted(fs: &Fs, dir: &Path) -> Result<Vec<PathBuf>, TimelineError> {
+    let mut names = fs
+        .list_dir(dir)
+        .map_err(|e| TimelineError::io(format!("reading {}", dir.display()), e))?;
+    names.sort();
+    Ok(names.into_iter().map(|n| dir.join(n)).collect())
+}
+
+/// Per-timeline gauges, read from the timelines at scrape time.
+pub struct TimelineCollector {
+    timelines: Weak<GlobalTimelines>,
+    descs: Vec<Desc>,
+}
+
+const TIMELINE_GAUGES: &[(&str, &str)] = &[
+    (
+        "safekeeper_flush_lsn",
+        "Durable end of the timeline's WAL (bytes)",
+    ),
+    (
+        "safekeeper_commit_lsn",
+        "Committed end of the timeline's WAL known here (bytes)",
+    ),
+    (
+        "safekeeper_acceptor_term",
+        "Current term of the timeline's acceptor",
+    ),
+    (
+        "safekeeper_timeline_wal_receivers",
+        "Proposers connected to the timeline",
+    ),
+    (
+        "safekeeper_timeline_wal_readers",
+        "Readers connected to the timeline",
+    ),
+];
+
+impl TimelineCollector {
+    pub fn register(timelines: &Arc<GlobalTimelines>) {
+        let descs = TIMELINE_GAUGES
+            .iter()
+            .map(|(name, help)| {
+                Desc::new(
+                    name.to_string(),
+                    help.to_string(),
+                    vec!["tenant_id".into(), "timeline_id".into()],
+                    Default::default(),
+                )
+                .expect("valid metric")
+            })
+            .collect();
+        let c = TimelineCollector {
+            timelines: Arc::downgrade(timelines),
+            descs,
+        };
+        // A second daemon in one process (tests) finds it registered already: keep the first.
+        let _ = prometheus::register(Box::new(c));
+    }
+}
+
+impl Collector for TimelineCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let Some(timelines) = self.timelines.upgrade() else {
+            return Vec::new();
+        };
+        let vecs: Vec<IntGaugeVec> = TIMELINE_GAUGES
+            .iter()
+            .map(|(name, help)| {
+                IntGaugeVec::new(Opts::new(*name, *help), &["tenant_id", "timeline_id"])
+                    .expect("valid metric")
+            })
+            .collect();
+        for tl in timelines.all() {
+            let s = tl.status();
+            let t = tl.ttid.tenant_id.to_string();
+            let l = tl.ttid.timeline_id.to_string();
+            let labels = [t.as_str(), l.as_str()];
+            let values = [
+                s.flush_lsn.0 as i64,
+                s.commit_lsn.0 as i64,
+                s.term.0 as i64,
+                s.proposers as i64,
+                s.readers as i64,
+            ];
+            for (v, value) in vecs.iter().zip(values) {
+                v.with_label_values(&labels).set(value);
+            }
+        }
+        vecs.iter().flat_map(|v| v.collect()).collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, VoteRequest};
+    use sk_core::storage::fs::SimFs;
+    use sk_core::types::{Generation, Term, TimelineId};
+
     use super::*;
-    use sk_core::storage::mem::{MemControlStore, MemWalStore};
-    use sk_core::types::{TenantId, TimelineId};
 
-    struct MemFactory;
-
-    impl TimelineFactory for MemFactory {
-        type Ctrl = MemControlStore;
-        type Wal = MemWalStore;
-
-        fn create(
-            &mut self,
-            state: &TimelinePersistentState,
-        ) -> Result<(MemControlStore, MemWalStore), storage::Error> {
-            Ok((MemControlStore::new(state.clone()), MemWalStore::new()))
-        }
-    }
+    const DATADIR: &str = "/data";
 
     fn greeting(tl: u8) -> ProposerGreeting {
         ProposerGreeting {
@@ -204,58 +364,81 @@ mod tests {
         }
     }
 
+    /// An empty node on a simulated file system: the registry touches no real file.
+    fn node() -> (Arc<SimFs>, Fs, GlobalTimelines) {
+        let (sim, fs) = SimFs::with_dir(Path::new(DATADIR));
+        let timelines = GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false)
+            .expect("an empty datadir loads");
+        (sim, fs, timelines)
+    }
+
     #[test]
     fn greeting_creates_a_timeline_only_when_allowed() {
-        let mut reg = Registry::new(NodeId(1), MemFactory);
+        let (_sim, _fs, timelines) = node();
         let g = greeting(1);
-        let msg = ProposerAcceptorMessage::Greeting(g.clone());
         assert!(matches!(
-            reg.process_msg(&g.ttid(), &msg, false, 0),
-            Err(RegistryError::NoTimeline(_))
+            timelines.get_or_create(&g, false),
+            Err(TimelineError::NotFound(_))
         ));
-        assert!(reg.is_empty());
-        let reply = reg.process_msg(&g.ttid(), &msg, true, 7).unwrap();
+        assert!(timelines.all().is_empty());
+        let tl = timelines.get_or_create(&g, true).unwrap();
+        assert_eq!(tl.system_id(), 42);
+        let reply = tl
+            .process_msg(&ProposerAcceptorMessage::Greeting(g.clone()))
+            .unwrap();
         assert!(matches!(reply, Some(AcceptorProposerMessage::Greeting(_))));
-        let sk = reg.get(&g.ttid()).unwrap();
-        assert_eq!(sk.state().server.system_id, 42);
-        assert_eq!(sk.state().creation_ts, 7);
         // Now it exists: no creation needed.
-        assert!(reg.process_msg(&g.ttid(), &msg, false, 0).is_ok());
+        let again = timelines.get_or_create(&g, false).unwrap();
+        assert!(Arc::ptr_eq(&tl, &again));
     }
 
     #[test]
     fn timelines_are_independent() {
-        let mut reg = Registry::new(NodeId(1), MemFactory);
+        let (_sim, _fs, timelines) = node();
         for tl in [1, 2] {
-            let g = greeting(tl);
-            reg.process_msg(
-                &g.ttid(),
-                &ProposerAcceptorMessage::Greeting(g.clone()),
-                true,
-                0,
-            )
-            .unwrap();
+            timelines.get_or_create(&greeting(tl), true).unwrap();
         }
-        let vote = ProposerAcceptorMessage::VoteRequest(sk_core::protocol::VoteRequest {
-            generation: sk_core::types::Generation(0),
-            term: sk_core::types::Term(3),
+        let vote = ProposerAcceptorMessage::VoteRequest(VoteRequest {
+            generation: Generation(0),
+            term: Term(3),
         });
-        reg.process_msg(&greeting(1).ttid(), &vote, false, 0)
-            .unwrap();
-        assert_eq!(reg.get(&greeting(1).ttid()).unwrap().term().0, 3);
-        assert_eq!(reg.get(&greeting(2).ttid()).unwrap().term().0, 0);
-        assert_eq!(reg.len(), 2);
+        let one = timelines.get(&greeting(1).ttid()).unwrap();
+        one.process_msg(&vote).unwrap();
+        assert_eq!(one.positions().term, Term(3));
+        let two = timelines.get(&greeting(2).ttid()).unwrap();
+        assert_eq!(two.positions().term, Term(0));
+        assert_eq!(timelines.all().len(), 2);
     }
 
     #[test]
-    fn non_greeting_to_unknown_timeline_is_an_error() {
-        let mut reg = Registry::new(NodeId(1), MemFactory);
-        let r = reg.process_msg(
-            &greeting(9).ttid(),
-            &ProposerAcceptorMessage::FlushWAL,
-            true,
-            0,
-        );
-        assert!(matches!(r, Err(RegistryError::NoTimeline(_))));
+    fn invalid_segment_size_is_refused_before_touching_the_disk() {
+        let (_sim, fs, timelines) = node();
+        let g = ProposerGreeting {
+            wal_seg_size: 3 << 20,
+            ..greeting(1)
+        };
+        assert!(matches!(
+            timelines.get_or_create(&g, true),
+            Err(TimelineError::BadSegmentSize(_))
+        ));
+        assert!(fs.list_dir(Path::new(DATADIR)).unwrap().is_empty());
+    }
+
+    /// A created timeline is durable where the next start looks for it, even after a power
+    /// loss that forgets everything un-synced; leftovers of an interrupted creation are removed.
+    #[test]
+    fn a_created_timeline_is_loaded_again_after_power_loss() {
+        let (sim, fs, timelines) = node();
+        let g = greeting(7);
+        timelines.get_or_create(&g, true).unwrap();
+        fs.create_dir_all(&Path::new(DATADIR).join(TMP_DIR).join("half-built"))
+            .unwrap();
+        drop(timelines);
+        sim.power_loss(&mut |_| 0);
+        let reloaded =
+            GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false).unwrap();
+        let tl = reloaded.get(&g.ttid()).expect("the timeline survives");
+        assert_eq!(tl.system_id(), 42);
+        assert!(!fs.exists(&Path::new(DATADIR).join(TMP_DIR)));
     }
 }

@@ -25,7 +25,8 @@ use criterion::Criterion;
 use pg_wal::WalGenerator;
 use pprof::criterion::{Output, PProfProfiler};
 use safekeeper::receive_wal::{self, Outgoing, QueuedMsg, REPLY_QUEUE_SIZE};
-use safekeeper::timeline::{GlobalTimelines, Timeline};
+use safekeeper::registry::GlobalTimelines;
+use safekeeper::timeline::Timeline;
 use sk_core::protocol::{
     AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
     ProposerElected, ProposerGreeting, VoteRequest,

@@ -9,8 +9,8 @@
 //! writes only once the file is. The model test runs the real file stores of the `safekeeper`
 //! crate (`wal_store`, `control_file`) on it.
 //!
-//! What [`SimFs`] does not model: directory creation (durable at once), reordering of one
-//! file's unsynced writes (a power loss keeps a random *prefix* of them, which includes torn
+//! What [`SimFs`] does not model: directories as entries of their parent (creating, renaming
+//! and removing a directory are durable at once), reordering of one file's unsynced writes (a power loss keeps a random *prefix* of them, which includes torn
 //! tails and lost tails but no holes), and `fdatasync` losing a size change (`Data` and `All`
 //! both make size and content durable; the stores use `All` where the size changes).
 
@@ -83,13 +83,18 @@ pub fn read_full_at<F: FileHandle + ?Sized>(f: &F, buf: &mut [u8], off: u64) -> 
 /// (real) or to the simulation's root (simulated).
 pub trait FileSystem: fmt::Debug + Send + Sync {
     fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Box<dyn FileHandle>>;
-    /// Atomically replaces `to` with `from` (same directory).
+    /// Atomically replaces `to` with `from`: a file within one directory, or a directory
+    /// (which `to` must not name yet).
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     fn remove_file(&self, path: &Path) -> io::Result<()>;
     fn create_dir_all(&self, path: &Path) -> io::Result<()>;
-    /// Names of the entries of directory `path`.
+    /// Removes directory `path` and everything below it.
+    fn remove_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Names of the entries (files and directories) of directory `path`.
     fn list_dir(&self, path: &Path) -> io::Result<Vec<String>>;
     fn exists(&self, path: &Path) -> bool;
+    /// Whether `path` is a directory.
+    fn is_dir(&self, path: &Path) -> bool;
     /// Makes the entries of directory `path` durable. Callers go through
     /// [`crate::storage::durable::fsync_dir`].
     fn sync_dir(&self, path: &Path) -> io::Result<()>;
@@ -183,6 +188,10 @@ impl FileSystem for RealFs {
         std::fs::create_dir_all(path)
     }
 
+    fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_dir_all(path)
+    }
+
     fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
         let mut names = Vec::new();
         for entry in std::fs::read_dir(path)? {
@@ -195,6 +204,10 @@ impl FileSystem for RealFs {
 
     fn exists(&self, path: &Path) -> bool {
         path.exists()
+    }
+
+    fn is_dir(&self, path: &Path) -> bool {
+        path.is_dir()
     }
 
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
@@ -519,6 +532,40 @@ impl SimState {
             .ok_or_else(|| not_found(path))
     }
 
+    /// Moves directory `from` and everything below it to `to` (durable at once: see the module
+    /// documentation).
+    fn rename_dir(&mut self, from: &Path, to: &Path) -> io::Result<()> {
+        if self.dirs.contains_key(to) || self.lookup(to).is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!(
+                    "{}: the simulation renames directories to new names only",
+                    to.display()
+                ),
+            ));
+        }
+        let parent = to.parent().unwrap_or(Path::new(""));
+        self.dir(parent)?;
+        self.before_mutation();
+        let moved: Vec<PathBuf> = self
+            .dirs
+            .keys()
+            .filter(|d| d.starts_with(from))
+            .cloned()
+            .collect();
+        for d in moved {
+            let dir = self.dirs.remove(&d).expect("listed above");
+            let rest = d.strip_prefix(from).expect("filtered by prefix");
+            let new = if rest.as_os_str().is_empty() {
+                to.to_path_buf()
+            } else {
+                to.join(rest)
+            };
+            self.dirs.insert(new, dir);
+        }
+        Ok(())
+    }
+
     fn dir_op(&mut self, dir: &Path, op: DirOp) -> io::Result<()> {
         self.dir_mut(dir)?;
         self.before_mutation();
@@ -560,6 +607,9 @@ impl FileSystem for SimFs {
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         let mut st = self.lock();
+        if st.dirs.contains_key(from) {
+            return st.rename_dir(from, to);
+        }
         st.lookup(from)?;
         let (dir, from_name) = split(from)?;
         let (to_dir, to_name) = split(to)?;
@@ -595,13 +645,30 @@ impl FileSystem for SimFs {
         Ok(())
     }
 
+    fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        let mut st = self.lock();
+        st.dir(path)?;
+        st.before_mutation();
+        st.dirs.retain(|d, _| !d.starts_with(path));
+        Ok(())
+    }
+
     fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
-        Ok(self.lock().dir(path)?.current.keys().cloned().collect())
+        let st = self.lock();
+        let mut names: Vec<String> = st.dir(path)?.current.keys().cloned().collect();
+        let subdirs = st.dirs.keys().filter(|d| d.parent() == Some(path));
+        names.extend(subdirs.filter_map(|d| Some(d.file_name()?.to_str()?.to_string())));
+        names.sort();
+        Ok(names)
     }
 
     fn exists(&self, path: &Path) -> bool {
         let st = self.lock();
         st.dirs.contains_key(path) || st.lookup(path).is_ok()
+    }
+
+    fn is_dir(&self, path: &Path) -> bool {
+        self.lock().dirs.contains_key(path)
     }
 
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
@@ -808,6 +875,27 @@ mod tests {
             ro.write_all_at(b"x", 0).unwrap_err().kind(),
             io::ErrorKind::PermissionDenied
         );
+    }
+
+    #[test]
+    fn directories_are_listed_renamed_and_removed_with_their_contents() {
+        let (_sim, fs) = sim();
+        fs.create_dir_all(Path::new("/d/tmp/t1")).unwrap();
+        create(&fs, "/d/tmp/t1/f");
+        assert_eq!(fs.list_dir(Path::new("/d")).unwrap(), vec!["tmp"]);
+        assert!(fs.is_dir(Path::new("/d/tmp")) && !fs.is_dir(Path::new("/d/tmp/t1/f")));
+        fs.create_dir_all(Path::new("/d/ten")).unwrap();
+        fs.rename(Path::new("/d/tmp/t1"), Path::new("/d/ten/t1"))
+            .unwrap();
+        assert!(fs.exists(Path::new("/d/ten/t1/f")));
+        assert!(!fs.exists(Path::new("/d/tmp/t1")));
+        assert!(
+            fs.rename(Path::new("/d/ten/t1"), Path::new("/d/tmp"))
+                .is_err(),
+            "a directory is renamed to a new name only"
+        );
+        fs.remove_dir_all(Path::new("/d/ten")).unwrap();
+        assert_eq!(fs.list_dir(Path::new("/d")).unwrap(), vec!["tmp"]);
     }
 
     #[test]
