@@ -4,11 +4,10 @@
 //! and calls [`run`]. Tests call [`bind`] and [`run`] with ephemeral ports and their own shutdown
 //! future.
 
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, TryLockError};
 use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -47,11 +46,10 @@ impl DataDirLock {
             .truncate(false)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: flock on a file descriptor we own.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        // An exclusive advisory lock (flock on Unix), released by the kernel with the file.
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
                 let owner = std::fs::read_to_string(&path).unwrap_or_default();
                 bail!(
                     "data directory {} is in use by another safekeeper (pid {}); \
@@ -60,7 +58,9 @@ impl DataDirLock {
                     owner.trim()
                 );
             }
-            return Err(err).with_context(|| format!("locking {}", path.display()));
+            Err(TryLockError::Error(err)) => {
+                return Err(err).with_context(|| format!("locking {}", path.display()));
+            }
         }
         file.set_len(0)?;
         writeln!(file, "{}", std::process::id())?;
