@@ -22,10 +22,9 @@ use pq_proto::replication::StandbyMessage;
 use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
 use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
 use pq_proto::{PqError, pg_now};
+use sk_core::protocol::MAX_SEND_SIZE;
 use sk_core::types::{Lsn, Term};
 
-/// Largest XLogData payload (PostgreSQL's `MAX_SEND_SIZE`).
-pub const MAX_SEND_SIZE: u64 = 128 * 1024;
 /// Keepalive period of an idle stream.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -155,7 +154,7 @@ where
     W: AsyncWrite + Unpin,
 {
     let mut watch = tl.subscribe();
-    let mut buf = Vec::with_capacity(MAX_SEND_SIZE as usize);
+    let mut buf = Vec::with_capacity(MAX_SEND_SIZE);
     let mut keepalive = tokio::time::interval(KEEPALIVE_INTERVAL);
     keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     keepalive.reset();
@@ -205,7 +204,7 @@ where
                 }
             }
             _ = std::future::ready(()), if have_wal => {
-                let mut chunk_end = Lsn(pos.0.saturating_add(MAX_SEND_SIZE).min(end.0));
+                let mut chunk_end = Lsn(pos.0.saturating_add(MAX_SEND_SIZE as u64).min(end.0));
                 if chunk_end < end {
                     // Like PostgreSQL's walsender: cut at a page boundary when more follows.
                     let page_end = chunk_end.page_start();

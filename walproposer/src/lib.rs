@@ -32,14 +32,12 @@ use conn::{ConnError, PushReader, PushWriter, SafekeeperAddr, connect_push};
 use pg_wal::decoder::WalStreamDecoder;
 use pg_wal::format::page_header_size;
 use sk_core::protocol::{
-    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
-    ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
+    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, MAX_SEND_SIZE,
+    ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
 };
 use sk_core::state::Configuration;
 use sk_core::types::{Generation, Lsn, TenantTimelineId, Term, TermHistory, TermLsn};
 
-/// Largest WAL payload of one append (neon's `MAX_SEND_SIZE`).
-pub const MAX_SEND_SIZE: usize = 128 * 1024;
 /// WAL sent to one safekeeper beyond what it acknowledged.
 const MAX_IN_FLIGHT: u64 = 16 << 20;
 /// How long an election waits for a quorum.

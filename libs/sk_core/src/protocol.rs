@@ -22,7 +22,8 @@ use crate::types::{
     TermLsn, TimelineId,
 };
 
-/// Largest WAL payload of one `AppendRequest` (neon's `MAX_SEND_SIZE`, 16 pages).
+/// Largest WAL payload of one `AppendRequest` (neon's `MAX_SEND_SIZE`, 16 pages). The one
+/// definition: the proposer cuts its appends and the walsender its XLogData messages at it.
 pub const MAX_SEND_SIZE: usize = 8192 * 16;
 /// Largest term history we accept (one entry per elected term that wrote WAL).
 pub const MAX_TERM_HISTORY_ENTRIES: usize = 1024;
