@@ -4,7 +4,8 @@
 //! - [`criterion`]: the Criterion configuration every bench uses (short defaults for a 2-core
 //!   machine, pprof flamegraphs under `--profile-time`);
 //! - [`Env`]: a real timeline (control file + WAL segments) in a temp dir on the disk under
-//!   test, elected at term 1 through `process_msg`, with a WAL generator positioned at its end;
+//!   test, elected at term 1 through `process_msg` ([`election`]), with a WAL generator
+//!   positioned at its end;
 //! - [`Workload`]: pre-generated appends of valid logical-message WAL, so generation stays out
 //!   of timed regions;
 //! - [`Acceptor`]: the real `WalAcceptor` pipeline stage (`receive_wal::spawn_acceptor`) driven
@@ -108,6 +109,27 @@ pub fn greeting() -> ProposerGreeting {
     }
 }
 
+/// Greeting, vote and `ProposerElected`: what elects a proposer at term 1 with WAL starting at
+/// [`START`] on a fresh timeline.
+pub fn election() -> [ProposerAcceptorMessage; 3] {
+    [
+        ProposerAcceptorMessage::Greeting(greeting()),
+        ProposerAcceptorMessage::VoteRequest(VoteRequest {
+            generation: Generation(0),
+            term: Term(1),
+        }),
+        ProposerAcceptorMessage::Elected(ProposerElected {
+            generation: Generation(0),
+            term: Term(1),
+            start_streaming_at: START,
+            term_history: TermHistory(vec![TermLsn {
+                term: Term(1),
+                lsn: START,
+            }]),
+        }),
+    ]
+}
+
 /// One timeline on the real disk, elected at term 1 with WAL starting at [`START`].
 pub struct Env {
     pub tl: Arc<Timeline>,
@@ -127,23 +149,7 @@ impl Env {
         let dir = temp_dir()?;
         let timelines = Arc::new(GlobalTimelines::load(dir.path(), NodeId(1), !fsync)?);
         let tl = timelines.get_or_create(&greeting(), true)?;
-        let election = [
-            ProposerAcceptorMessage::Greeting(greeting()),
-            ProposerAcceptorMessage::VoteRequest(VoteRequest {
-                generation: Generation(0),
-                term: Term(1),
-            }),
-            ProposerAcceptorMessage::Elected(ProposerElected {
-                generation: Generation(0),
-                term: Term(1),
-                start_streaming_at: START,
-                term_history: TermHistory(vec![TermLsn {
-                    term: Term(1),
-                    lsn: START,
-                }]),
-            }),
-        ];
-        for msg in &election {
+        for msg in &election() {
             tl.process_msg(msg)?;
         }
         Ok(Env {

@@ -1,50 +1,35 @@
-//! Micro-benchmarks of the WAL format and storage layers (run: `cargo bench -p safekeeper
-//! --bench wal_storage -- --measurement-time 3 --warm-up-time 1`; see `benches/README.md`).
-//!
-//! Groups (`op/param=value`, throughput in bytes):
+//! Micro-benchmarks of the WAL format and the WAL file store (throughput in bytes):
 //! - `crc32c/size=N`: CRC-32C throughput (hardware-accelerated `crc32c` crate).
 //! - `generate/msg=N`: logical-message WAL generation (1 MiB of WAL per iteration).
 //! - `decode/msg=N`: the streaming decoder over 1 MiB of generated WAL.
 //! - `write/store_no_sync/size=N`: `WalFileStore::write_wal` without fsync (decode + `pwrite`
 //!   into page cache, segment creation included): the CPU cost of an append.
-//! - `write_flush/raw_sparse/size=N`: `pwrite` + `fdatasync` into a file preallocated with
-//!   `set_len` (sparse, as our segments are created).
-//! - `write_flush/raw_zeroed/size=N`: the same into a file first written with zeros, which is
-//!   how `pg_test_fsync` prepares its file.
-//! - `write_flush/raw_rewrite/size=N`: rewriting the first block of a zeroed file each time, as
-//!   `pg_test_fsync`'s fdatasync test does.
 //! - `write_flush/store/seg=S/{sparse,zeroed}/size=N`: `WalFileStore::write_wal` + `flush_wal`
 //!   (decode, write, fdatasync) per append; with a 1 GiB segment it stays in one preallocated
 //!   segment, with 16 MiB segments creation and completion are included.
 //!
-//! Files go to `$WAL_BENCH_DIR` (default: the system temp dir); fsyncs are real.
+//! The raw `pwrite` + `fdatasync` baselines these compare against (sparse, zero-filled and
+//! `pg_test_fsync`'s rewrite of one block) are the `file_write` bench.
 
-use std::fs::OpenOptions;
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::hint::black_box;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use pg_wal::{WalGenerator, WalStreamDecoder};
 use safekeeper::wal_store::{WalFileOptions, WalFileStore};
 use sk_core::storage::WalStore;
 use sk_core::types::Lsn;
+use wal_bench::{KIB, MIB, temp_dir};
 
-const KIB: usize = 1024;
-const MIB: usize = 1024 * KIB;
-
-fn bench_dir() -> PathBuf {
-    std::env::var_os("WAL_BENCH_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir)
-}
+profiling::global_allocator!();
 
 fn crc(c: &mut Criterion) {
     let mut g = c.benchmark_group("crc32c");
     for size in [64, 8 * KIB, 128 * KIB, MIB] {
         let data = vec![0xA5u8; size];
         g.throughput(Throughput::Bytes(size as u64));
-        g.bench_with_input(BenchmarkId::new("size", size), &data, |b, d| {
+        g.bench_with_input(format!("size={size}"), &data, |b, d| {
             b.iter(|| crc32c::crc32c(black_box(d)))
         });
     }
@@ -58,7 +43,7 @@ fn generate(c: &mut Criterion) {
         let mut out = Vec::with_capacity(2 * MIB);
         let mut generator = WalGenerator::new(1, 16 << 20, Lsn(16 << 20)).unwrap();
         g.throughput(Throughput::Bytes(MIB as u64));
-        g.bench_function(BenchmarkId::new("msg", msg), |b| {
+        g.bench_function(format!("msg={msg}"), |b| {
             b.iter(|| {
                 out.clear();
                 generator.fill(&mut out, MIB, &message);
@@ -77,7 +62,7 @@ fn decode(c: &mut Criterion) {
         let mut wal = Vec::new();
         generator.fill(&mut wal, MIB, &vec![0x5Au8; msg]);
         g.throughput(Throughput::Bytes(wal.len() as u64));
-        g.bench_function(BenchmarkId::new("msg", msg), |b| {
+        g.bench_function(format!("msg={msg}"), |b| {
             b.iter(|| {
                 let mut d = WalStreamDecoder::new(start, 16 << 20);
                 for chunk in wal.chunks(128 * KIB) {
@@ -93,51 +78,6 @@ fn decode(c: &mut Criterion) {
 fn write_flush(c: &mut Criterion) {
     let mut g = c.benchmark_group("write_flush");
     g.sample_size(20);
-    // Raw baselines: pwrite + fdatasync into a preallocated file, either sparse (set_len, as
-    // our segments are made; the first write to each block allocates it) or written with zeros
-    // first (as pg_test_fsync prepares its file).
-    // `raw_rewrite` rewrites the first block of a zeroed file each time, exactly what
-    // pg_test_fsync's "one 8kB write" fdatasync line measures. The sparse file is large enough
-    // that a run never wraps around into already allocated blocks.
-    for (kind, file_len) in [
-        ("raw_sparse", 64u64 << 30),
-        ("raw_zeroed", 64u64 << 20),
-        ("raw_rewrite", 64u64 << 20),
-    ] {
-        for size in [8 * KIB, 128 * KIB] {
-            let dir = tempfile::tempdir_in(bench_dir()).unwrap();
-            let path = dir.path().join("prealloc");
-            let f = OpenOptions::new()
-                .create(true)
-                .truncate(true)
-                .read(true)
-                .write(true)
-                .open(&path)
-                .unwrap();
-            if kind == "raw_sparse" {
-                f.set_len(file_len).unwrap();
-            } else {
-                let zeros = vec![0u8; MIB];
-                for i in 0..file_len / MIB as u64 {
-                    f.write_all_at(&zeros, i * MIB as u64).unwrap();
-                }
-            }
-            f.sync_all().unwrap();
-            let data = vec![0x33u8; size];
-            let mut off = 0u64;
-            g.throughput(Throughput::Bytes(size as u64));
-            g.bench_function(BenchmarkId::new(format!("{kind}/size"), size), |b| {
-                b.iter(|| {
-                    if off + size as u64 > file_len || kind == "raw_rewrite" {
-                        off = 0;
-                    }
-                    f.write_all_at(&data, off).unwrap();
-                    f.sync_data().unwrap();
-                    off += size as u64;
-                })
-            });
-        }
-    }
     // The WAL store: decode + write + fdatasync per append. `seg=1GiB`: one preallocated
     // segment (the brief's micro-bench); `seg=16MiB`: the default size, segment creation and
     // completion included, sparse (`set_len`) or zero-filled segments.
@@ -147,7 +87,7 @@ fn write_flush(c: &mut Criterion) {
         ("store/seg=16MiB/zeroed/size", 16u64 << 20, true),
     ] {
         for size in [8 * KIB, 128 * KIB] {
-            let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+            let dir = temp_dir().unwrap();
             let opts = WalFileOptions {
                 zero_fill,
                 ..Default::default()
@@ -155,7 +95,7 @@ fn write_flush(c: &mut Criterion) {
             let mut store = bench_store(dir.path(), seg_size, opts);
             let mut feed = WalFeed::new(seg_size);
             g.throughput(Throughput::Bytes(size as u64));
-            g.bench_function(BenchmarkId::new(label, size), |b| {
+            g.bench_function(format!("{label}={size}"), |b| {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
@@ -221,7 +161,7 @@ impl WalFeed {
 fn write_no_sync(c: &mut Criterion) {
     let mut g = c.benchmark_group("write");
     for size in [8 * KIB, 128 * KIB] {
-        let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+        let dir = temp_dir().unwrap();
         let seg_size = 16u64 << 20;
         let opts = WalFileOptions {
             no_sync: true,
@@ -230,7 +170,7 @@ fn write_no_sync(c: &mut Criterion) {
         let mut store = bench_store(dir.path(), seg_size, opts);
         let mut feed = WalFeed::new(seg_size);
         g.throughput(Throughput::Bytes(size as u64));
-        g.bench_function(BenchmarkId::new("store_no_sync/size", size), |b| {
+        g.bench_function(format!("store_no_sync/size={size}"), |b| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
@@ -253,5 +193,9 @@ fn write_no_sync(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, crc, generate, decode, write_no_sync, write_flush);
+criterion_group! {
+    name = benches;
+    config = wal_bench::criterion();
+    targets = crc, generate, decode, write_no_sync, write_flush
+}
 criterion_main!(benches);
