@@ -17,16 +17,22 @@ use sk_core::types::TenantTimelineId;
 /// Errors of a proposer connection.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnError {
+    /// The connection failed or the safekeeper sent an error.
     #[error(transparent)]
     Pq(Box<PqError>),
+    /// The safekeeper sent a message that does not decode.
     #[error("invalid message from the safekeeper: {0}")]
     Decode(#[from] DecodeError),
+    /// We built a message that cannot be encoded (a bug of ours).
     #[error("cannot encode message: {0}")]
     Encode(#[from] EncodeError),
+    /// The safekeeper ended the stream.
     #[error("the safekeeper ended the stream")]
     Closed,
+    /// A valid reply that makes no sense at this point.
     #[error("unexpected reply: {0}")]
     Unexpected(String),
+    /// Fetching WAL from a safekeeper failed.
     #[error("fetching WAL: {0}")]
     Fetch(String),
 }
@@ -40,7 +46,9 @@ impl From<PqError> for ConnError {
 /// Where and how to connect.
 #[derive(Clone, Debug)]
 pub struct SafekeeperAddr {
+    /// Host name or address.
     pub host: String,
+    /// PostgreSQL-protocol port.
     pub port: u16,
     /// Shared secret of `--pg-auth-token-file`, if the safekeeper requires one.
     pub password: Option<String>,
@@ -133,6 +141,7 @@ impl PushWriter {
         self.inner.buffered()
     }
 
+    /// Sends what is queued. Cancellation-safe (a later call continues where this one stopped).
     pub async fn flush(&mut self) -> Result<(), ConnError> {
         Ok(self.inner.flush().await?)
     }

@@ -46,17 +46,24 @@ const ELECTION_TIMEOUT: Duration = Duration::from_secs(10);
 /// What the proposer needs to know.
 #[derive(Clone, Debug)]
 pub struct ProposerConfig {
+    /// The safekeepers to elect this proposer and to stream to.
     pub safekeepers: Vec<SafekeeperAddr>,
+    /// The timeline written.
     pub ttid: TenantTimelineId,
+    /// PostgreSQL system identifier of the WAL.
     pub system_id: u64,
+    /// PostgreSQL version of the WAL's server.
     pub pg_version: u32,
+    /// WAL segment size in bytes.
     pub wal_seg_size: u32,
     /// Where WAL begins if every safekeeper is empty (a record boundary).
     pub start_lsn: Lsn,
+    /// Whether the greeting may create the timeline on a safekeeper that lacks it.
     pub allow_timeline_creation: bool,
 }
 
 impl ProposerConfig {
+    /// How many safekeepers make a majority.
     pub fn quorum(&self) -> usize {
         self.safekeepers.len() / 2 + 1
     }
@@ -65,18 +72,35 @@ impl ProposerConfig {
 /// Why the proposer stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ProposerError {
+    /// Too few safekeepers answered within the election timeout.
     #[error("no quorum: {got} of {need} safekeepers answered ({details})")]
     NoQuorum {
+        /// Answers received.
         got: usize,
+        /// Answers needed.
         need: usize,
+        /// Why the others did not answer.
         details: String,
     },
+    /// A safekeeper has seen a higher term: another proposer took over.
     #[error("stepped down: a safekeeper is at term {seen}, above ours ({ours})")]
-    SteppedDown { ours: Term, seen: Term },
+    SteppedDown {
+        /// Our term.
+        ours: Term,
+        /// The higher term seen.
+        seen: Term,
+    },
+    /// The donor's WAL could not be fetched.
     #[error("recovering WAL from the donor: {0}")]
     Recovery(String),
+    /// WAL pushed somewhere else than at the current end.
     #[error("WAL must continue at {expected}, got {got}")]
-    Discontinuous { expected: Lsn, got: Lsn },
+    Discontinuous {
+        /// The current end.
+        expected: Lsn,
+        /// Where the WAL was pushed.
+        got: Lsn,
+    },
 }
 
 /// What the proposer publishes as it runs.
@@ -367,6 +391,7 @@ impl Proposer {
         Ok(Proposer { shared, tasks })
     }
 
+    /// The term this proposer was elected in.
     pub fn term(&self) -> Term {
         self.shared.term
     }
@@ -376,14 +401,17 @@ impl Proposer {
         self.shared.term_start
     }
 
+    /// The proposer's term history (the donor's plus this term).
     pub fn history(&self) -> &TermHistory {
         &self.shared.history
     }
 
+    /// The latest progress.
     pub fn progress(&self) -> Progress {
         *self.shared.progress.borrow()
     }
 
+    /// A receiver that wakes on every change of the progress.
     pub fn subscribe(&self) -> watch::Receiver<Progress> {
         self.shared.progress.subscribe()
     }

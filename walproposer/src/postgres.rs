@@ -39,24 +39,49 @@ pub const DEFAULT_SLOT: &str = "walproposer";
 /// Why the relay stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
+    /// The connection string does not parse.
     #[error("invalid conninfo: {0}")]
     Conninfo(String),
+    /// A slot name PostgreSQL would refuse.
     #[error("invalid slot name {0:?}: use lower-case letters, digits and underscores")]
     SlotName(String),
+    /// The connection to the primary failed, or the primary sent an error.
     #[error("primary: {0}")]
     Pq(Box<PqError>),
+    /// The primary sent a replication message that does not decode.
     #[error("primary sent an invalid replication message: {0}")]
     Replication(#[from] ReplicationError),
+    /// A query's answer has not the shape we expect.
     #[error("unexpected answer to {query}: {detail}")]
-    BadAnswer { query: &'static str, detail: String },
+    BadAnswer {
+        /// The query.
+        query: &'static str,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The primary is past a timeline switch.
     #[error("primary is on timeline {0}; only timeline 1 is supported")]
     Timeline(u32),
+    /// WAL that does not continue what was received.
     #[error("primary sent WAL at {got}, expected {expected}")]
-    Gap { expected: Lsn, got: Lsn },
+    Gap {
+        /// Where the WAL had to continue.
+        expected: Lsn,
+        /// Where it did.
+        got: Lsn,
+    },
+    /// The primary ended the stream.
     #[error("primary ended the replication stream")]
     StreamEnded,
+    /// A reconnection reached another cluster.
     #[error("the primary's system id changed from {was} to {now}")]
-    SystemIdChanged { was: u64, now: u64 },
+    SystemIdChanged {
+        /// The first connection's system id.
+        was: u64,
+        /// This connection's.
+        now: u64,
+    },
+    /// The proposer stopped.
     #[error(transparent)]
     Proposer(#[from] ProposerError),
 }
@@ -88,10 +113,15 @@ impl From<PqError> for SourceError {
 /// ignored; values may be single-quoted with `\'` and `\\` escapes.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ConnInfo {
+    /// `host` (default `localhost`).
     pub host: String,
+    /// `port` (default 5432).
     pub port: u16,
+    /// `user` (default `postgres`).
     pub user: String,
+    /// `password`, if any.
     pub password: Option<String>,
+    /// `application_name` (what the primary's `pg_stat_replication` shows).
     pub application_name: String,
 }
 
@@ -215,6 +245,7 @@ impl ConnInfo {
 /// How to relay.
 #[derive(Clone, Debug)]
 pub struct SourceOptions {
+    /// How to reach the primary.
     pub conninfo: ConnInfo,
     /// Physical slot on the primary; created if missing.
     pub slot: String,
@@ -228,6 +259,7 @@ pub struct SourceOptions {
 }
 
 impl SourceOptions {
+    /// Defaults: slot `DEFAULT_SLOT`, 1 s status updates, 64 MiB window, 5 s reports.
     pub fn new(conninfo: ConnInfo) -> Self {
         SourceOptions {
             conninfo,
@@ -242,9 +274,11 @@ impl SourceOptions {
 /// What the primary told us before streaming.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrimaryInfo {
+    /// PostgreSQL system identifier.
     pub system_id: u64,
     /// The primary's end of WAL at connection time.
     pub xlogpos: Lsn,
+    /// `wal_segment_size` in bytes.
     pub wal_seg_size: u32,
     /// `server_version_num`, e.g. 150018.
     pub pg_version: u32,
@@ -256,13 +290,19 @@ pub struct PrimaryInfo {
 /// What the relay has done so far.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct RelayStats {
+    /// Where streaming from the primary started.
     pub start_lsn: Lsn,
     /// End of the WAL received from the primary and pushed to the proposer.
     pub received_lsn: Lsn,
+    /// Committed on a quorum of safekeepers (and reported to the primary as flushed).
     pub commit_lsn: Lsn,
+    /// WAL bytes relayed.
     pub bytes: u64,
+    /// How long the relay ran.
     pub seconds: f64,
+    /// `bytes` per second, in MB (10^6).
     pub mb_per_second: f64,
+    /// Status updates sent to the primary.
     pub status_updates: u64,
 }
 
@@ -402,6 +442,7 @@ impl Primary {
         Ok(Primary { conn, info, opts })
     }
 
+    /// What the primary told us before streaming.
     pub fn info(&self) -> &PrimaryInfo {
         &self.info
     }

@@ -42,15 +42,25 @@ impl Default for SyntheticOptions {
 /// What a run achieved.
 #[derive(Clone, Debug, Serialize)]
 pub struct Stats {
+    /// WAL bytes pushed.
     pub bytes: u64,
+    /// Records generated.
     pub records: u64,
+    /// How long the run took.
     pub seconds: f64,
+    /// `bytes` per second, in MB (10^6).
     pub mb_per_second: f64,
+    /// Where the WAL started.
     pub start_lsn: Lsn,
+    /// Where it ended.
     pub end_lsn: Lsn,
+    /// Committed on a quorum at the end.
     pub commit_lsn: Lsn,
+    /// Median time from pushing a chunk to its commit, in ms.
     pub commit_latency_p50_ms: f64,
+    /// 99th percentile of that time, in ms.
     pub commit_latency_p99_ms: f64,
+    /// Its maximum, in ms.
     pub commit_latency_max_ms: f64,
 }
 
