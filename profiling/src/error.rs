@@ -16,11 +16,13 @@ pub enum ProfileError {
     /// The process cannot produce this profile (e.g. jemalloc heap profiling is off).
     #[error("{0}")]
     Unavailable(String),
+    /// Our fault (profiler or symbolizer failure): 500, details in the log.
     #[error("internal error: {0:#}")]
     Internal(#[from] anyhow::Error),
 }
 
 impl ProfileError {
+    /// The HTTP status this error answers with.
     pub fn status(&self) -> StatusCode {
         match self {
             ProfileError::BadRequest(_) => StatusCode::BAD_REQUEST,

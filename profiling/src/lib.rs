@@ -66,6 +66,10 @@ macro_rules! global_allocator {
         #[global_allocator]
         static GLOBAL_ALLOCATOR: $crate::__private::Jemalloc = $crate::__private::Jemalloc;
 
+        /// jemalloc's options, read by jemalloc itself at start-up (`profiling::MALLOC_CONF`).
+        // SAFETY: `malloc_conf` is the symbol jemalloc reads its options from: a pointer to a
+        // NUL-terminated string with static lifetime, which `MALLOC_CONF_NUL` is; no other
+        // symbol of the binary has this name.
         #[allow(non_upper_case_globals)]
         #[unsafe(export_name = "malloc_conf")]
         pub static malloc_conf: &u8 = &$crate::__private::MALLOC_CONF_NUL[0];

@@ -17,9 +17,12 @@ pub enum ReplicationCommand {
     /// `START_WAL_PUSH [(proto_version 'N', allow_timeline_creation 'bool')]`.
     /// Defaults as neon: protocol 2, creation allowed. The value is not range-checked here.
     StartWalPush {
+        /// The protocol version the proposer speaks (we serve 3).
         proto_version: u32,
+        /// Whether the greeting may create the timeline.
         allow_timeline_creation: bool,
     },
+    /// `IDENTIFY_SYSTEM`: system id, timeline, flush position, database.
     IdentifySystem,
     /// neon's `TIMELINE_STATUS`: flush and commit LSN of the timeline.
     TimelineStatus,
@@ -29,8 +32,11 @@ pub enum ReplicationCommand {
     ReadReplicationSlot(String),
     /// `START_REPLICATION [SLOT s] [PHYSICAL] X/X [TIMELINE n] [(term='N')]`.
     StartReplication {
+        /// The replication slot named, if any (we keep no slots: it is only reported).
         slot: Option<String>,
+        /// Where streaming starts.
         start_lsn: Lsn,
+        /// The PostgreSQL timeline asked for (we serve timeline 1).
         timeline: Option<u32>,
         /// neon's `(term='N')`: stream up to flush_lsn while the local term is N.
         term: Option<Term>,
@@ -44,15 +50,21 @@ pub enum ReplicationCommand {
 /// Why a query is not a command we serve.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CommandError {
+    /// A query with no command.
     #[error("empty query")]
     Empty,
     /// Not one of our commands; `command` is its first word as sent.
     #[error("unsupported command {command}")]
-    Unsupported { command: String },
+    Unsupported {
+        /// The first word of the query.
+        command: String,
+    },
     /// One of our commands, but its arguments do not parse.
     #[error("syntax error in {command}: {reason}")]
     Syntax {
+        /// The command.
         command: &'static str,
+        /// What does not parse.
         reason: String,
     },
 }
@@ -390,11 +402,15 @@ pub struct ConnectionOptions {
 /// Why the `options` parameter is invalid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OptionsError {
+    /// An item of `-c key=value` without its `=`.
     #[error("invalid item {0:?} in options: expected key=value")]
     NotKeyValue(String),
+    /// A tenant or timeline id that does not parse.
     #[error("invalid {key} in options: {source}")]
     BadId {
+        /// `tenant_id` or `timeline_id`.
         key: &'static str,
+        /// Why it does not parse.
         #[source]
         source: IdParseError,
     },

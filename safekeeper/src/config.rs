@@ -39,6 +39,7 @@ pub struct Conf {
 }
 
 impl Conf {
+    /// `--id` as a node id.
     pub fn node_id(&self) -> NodeId {
         NodeId(self.id)
     }

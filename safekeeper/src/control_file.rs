@@ -14,6 +14,9 @@
 //! Not here: when to persist (the consensus core decides), in-memory overlays of LSNs, and
 //! timeline directory creation.
 
+// Storage: no `unwrap()` outside tests (see sk_core).
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 

@@ -67,6 +67,7 @@ impl DataDirLock {
         Ok(DataDirLock { _file: file, path })
     }
 
+    /// The lock file.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -74,17 +75,21 @@ impl DataDirLock {
 
 /// Listeners bound before serving, so callers can learn ephemeral ports.
 pub struct Listeners {
+    /// The HTTP API's listener.
     pub http: TcpListener,
+    /// The PostgreSQL-protocol listener (proposers and readers).
     pub pg: TcpListener,
 }
 
 impl Listeners {
+    /// Where the HTTP API listens.
     pub fn http_addr(&self) -> SocketAddr {
         self.http
             .local_addr()
             .expect("bound listener has an address")
     }
 
+    /// Where the PostgreSQL protocol listens.
     pub fn pg_addr(&self) -> SocketAddr {
         self.pg.local_addr().expect("bound listener has an address")
     }

@@ -16,12 +16,19 @@ fn counter(name: &str, help: &str) -> IntCounter {
     c
 }
 
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    prometheus::register(Box::new(c.clone())).expect("metric registered once");
+    c
+}
+
 fn gauge(name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("valid metric");
     prometheus::register(Box::new(g.clone())).expect("metric registered once");
     g
 }
 
+/// `safekeeper_wal_written_bytes_total`: WAL bytes accepted from proposers.
 pub static WAL_WRITTEN_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
     counter(
         "safekeeper_wal_written_bytes_total",
@@ -29,6 +36,7 @@ pub static WAL_WRITTEN_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_wal_flushes_total`: batched WAL flushes.
 pub static WAL_FLUSHES: LazyLock<IntCounter> = LazyLock::new(|| {
     counter(
         "safekeeper_wal_flushes_total",
@@ -36,6 +44,7 @@ pub static WAL_FLUSHES: LazyLock<IntCounter> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_flush_wal_seconds`: time to make a batch of WAL durable.
 pub static WAL_FLUSH_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     let h = Histogram::with_opts(
         HistogramOpts::new(
@@ -49,6 +58,7 @@ pub static WAL_FLUSH_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     h
 });
 
+/// `safekeeper_wal_receivers`: connected proposers.
 pub static WAL_RECEIVERS: LazyLock<IntGauge> = LazyLock::new(|| {
     gauge(
         "safekeeper_wal_receivers",
@@ -56,6 +66,7 @@ pub static WAL_RECEIVERS: LazyLock<IntGauge> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_wal_readers`: connected WAL readers.
 pub static WAL_READERS: LazyLock<IntGauge> = LazyLock::new(|| {
     gauge(
         "safekeeper_wal_readers",
@@ -63,6 +74,7 @@ pub static WAL_READERS: LazyLock<IntGauge> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_wal_sent_bytes_total`: WAL bytes sent to readers.
 pub static WAL_SENT_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
     counter(
         "safekeeper_wal_sent_bytes_total",
@@ -70,6 +82,7 @@ pub static WAL_SENT_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_wal_receiver_queue_depth`: messages queued for WAL acceptors.
 pub static RECEIVER_QUEUE_DEPTH: LazyLock<IntGauge> = LazyLock::new(|| {
     gauge(
         "safekeeper_wal_receiver_queue_depth",
@@ -77,6 +90,7 @@ pub static RECEIVER_QUEUE_DEPTH: LazyLock<IntGauge> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_wal_receiver_queue_bytes`: WAL bytes queued for WAL acceptors.
 pub static RECEIVER_QUEUE_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
     gauge(
         "safekeeper_wal_receiver_queue_bytes",
@@ -84,30 +98,22 @@ pub static RECEIVER_QUEUE_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_pg_connections_total{outcome}`: PostgreSQL-protocol connections by outcome.
 pub static PG_CONNECTIONS: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    let c = IntCounterVec::new(
-        Opts::new(
-            "safekeeper_pg_connections_total",
-            "PostgreSQL-protocol connections by outcome",
-        ),
+    counter_vec(
+        "safekeeper_pg_connections_total",
+        "PostgreSQL-protocol connections by outcome",
         &["outcome"],
     )
-    .expect("valid metric");
-    prometheus::register(Box::new(c.clone())).expect("metric registered once");
-    c
 });
 
+/// `safekeeper_proposer_acceptor_messages_total{kind,outcome}`: proposer messages processed.
 pub static PROPOSER_MESSAGES: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    let c = IntCounterVec::new(
-        Opts::new(
-            "safekeeper_proposer_acceptor_messages_total",
-            "Proposer messages processed, by kind and outcome",
-        ),
+    counter_vec(
+        "safekeeper_proposer_acceptor_messages_total",
+        "Proposer messages processed, by kind and outcome",
         &["kind", "outcome"],
     )
-    .expect("valid metric");
-    prometheus::register(Box::new(c.clone())).expect("metric registered once");
-    c
 });
 
 /// Proposer message kinds, as labelled in `safekeeper_proposer_acceptor_messages_total`.

@@ -41,6 +41,7 @@ pub const FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 /// What the writer sends.
 #[derive(Debug)]
 pub enum Outgoing {
+    /// A reply to the proposer.
     Reply(AcceptorProposerMessage),
     /// Ends the stream with an ErrorResponse.
     Error(ErrorFields),

@@ -285,6 +285,8 @@ const TIMELINE_GAUGES: &[(&str, &str)] = &[
 ];
 
 impl TimelineCollector {
+    /// Registers the gauges of `timelines` in the default registry (once per process: a second
+    /// daemon in one process, as tests start, keeps the first one's).
     pub fn register(timelines: &Arc<GlobalTimelines>) {
         let descs = TIMELINE_GAUGES
             .iter()

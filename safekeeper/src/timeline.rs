@@ -40,7 +40,9 @@ const CONTROL_FILE_SAVE_INTERVAL: Duration = Duration::from_secs(5);
 /// Positions of a timeline, published on every change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Positions {
+    /// The acceptor's term.
     pub term: Term,
+    /// The term of the newest WAL held.
     pub last_log_term: Term,
     /// Durable end of WAL (record boundary).
     pub flush_lsn: Lsn,
@@ -51,29 +53,49 @@ pub struct Positions {
 /// What `GET /v1/tenant/{t}/timeline/{tl}` shows.
 #[derive(Clone, Debug, Serialize)]
 pub struct TimelineStatus {
+    /// The tenant.
     pub tenant_id: TenantId,
+    /// The timeline.
     pub timeline_id: TimelineId,
+    /// The acceptor's term.
     pub term: Term,
+    /// The term of the newest WAL held.
     pub last_log_term: Term,
+    /// The history of the WAL held.
     pub term_history: TermHistory,
+    /// Durable end of WAL (record boundary).
     pub flush_lsn: Lsn,
+    /// End of WAL handed to the OS (may be beyond `flush_lsn`).
     pub write_lsn: Lsn,
+    /// Commit LSN known in memory.
     pub commit_lsn: Lsn,
+    /// Commit LSN in the control file.
     pub persisted_commit_lsn: Lsn,
+    /// Where the timeline's WAL begins (globally).
     pub timeline_start_lsn: Lsn,
+    /// Where this node's WAL begins.
     pub local_start_lsn: Lsn,
+    /// Oldest WAL any peer may still need.
     pub peer_horizon_lsn: Lsn,
+    /// PostgreSQL system identifier.
     pub system_id: u64,
+    /// PostgreSQL version of the proposer.
     pub pg_version: u32,
+    /// WAL segment size in bytes.
     pub wal_seg_size: u32,
+    /// Membership configuration generation.
     pub generation: u32,
+    /// Connected proposers.
     pub proposers: usize,
+    /// Connected readers.
     pub readers: usize,
 }
 
 /// One timeline of this node.
 pub struct Timeline {
+    /// Which timeline.
     pub ttid: TenantTimelineId,
+    /// Its directory (control file and WAL segments).
     pub dir: PathBuf,
     /// Invariant: a valid segment size; fixed for the life of the timeline.
     pub seg_size: u64,
@@ -180,6 +202,7 @@ impl Timeline {
         self.reader.read(from, to, out)
     }
 
+    /// PostgreSQL system identifier of the timeline.
     pub fn system_id(&self) -> u64 {
         self.lock().state().server.system_id
     }
@@ -192,6 +215,7 @@ impl Timeline {
         start.segment_start(self.seg_size)
     }
 
+    /// Everything the HTTP status shows, read under the acceptor lock.
     pub fn status(&self) -> TimelineStatus {
         let a = self.lock();
         let s = a.state();

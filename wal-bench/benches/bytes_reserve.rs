@@ -3,6 +3,11 @@
 //! profiling on; compare with profiling off in the same binary:
 //! `MALLOC_CONF=prof:false cargo bench -p wal-bench --bench bytes_reserve`.
 
+#![allow(
+    missing_docs,
+    reason = "criterion_group! defines an undocumented `pub fn benches`"
+)]
+
 use std::hint::black_box;
 
 use bytes::BytesMut;

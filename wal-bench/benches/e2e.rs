@@ -10,6 +10,11 @@
 //! - `e2e_commit/safekeepers={1,3}/size=8192`: single stream: one ~8 KiB append (one record)
 //!   at a time, the next only after the previous is committed (window 0). Throughput: commits.
 
+#![allow(
+    missing_docs,
+    reason = "criterion_group! defines an undocumented `pub fn benches`"
+)]
+
 use std::path::Path;
 use std::time::Duration;
 

@@ -13,6 +13,11 @@
 //! the blocking pool). Throughput: bytes written. Resets (truncation, re-preallocation) happen
 //! outside the timed region.
 
+#![allow(
+    missing_docs,
+    reason = "criterion_group! defines an undocumented `pub fn benches`"
+)]
+
 use std::fs::{File, OpenOptions};
 use std::io::SeekFrom;
 use std::os::unix::fs::FileExt;

@@ -15,6 +15,11 @@
 //! 1 MiB exceeds the protocol's 128 KiB `MAX_SEND_SIZE`: fine here, `process_msg` bypasses the
 //! codec and the store takes any length (the decode group stays within it).
 
+#![allow(
+    missing_docs,
+    reason = "criterion_group! defines an undocumented `pub fn benches`"
+)]
+
 use std::hint::black_box;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};

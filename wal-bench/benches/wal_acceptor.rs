@@ -13,6 +13,11 @@
 //! - `cpu_profile/profiler={off,99hz}/fsync=false/size=131072`: the throughput bench with and
 //!   without a 99 Hz CPU profile of the whole process running, side by side.
 
+#![allow(
+    missing_docs,
+    reason = "criterion_group! defines an undocumented `pub fn benches`"
+)]
+
 use std::time::{Duration, Instant};
 
 use criterion::{

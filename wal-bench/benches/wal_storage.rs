@@ -11,6 +11,11 @@
 //! The raw `pwrite` + `fdatasync` baselines these compare against (sparse, zero-filled and
 //! `pg_test_fsync`'s rewrite of one block) are the `file_write` bench.
 
+#![allow(
+    missing_docs,
+    reason = "criterion_group! defines an undocumented `pub fn benches`"
+)]
+
 use std::hint::black_box;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -39,10 +39,13 @@ use sk_core::types::{
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+/// 1 KiB.
 pub const KIB: usize = 1024;
+/// 1 MiB.
 pub const MIB: usize = 1024 * KIB;
 /// WAL segment size of bench timelines (PostgreSQL's default).
 pub const SEG_SIZE: u64 = 16 << 20;
+/// PostgreSQL system identifier of bench timelines.
 pub const SYSID: u64 = 7_400_000_000_000_000_042;
 /// Where bench WAL starts: the beginning of segment 1 (0/1000000).
 pub const START: Lsn = Lsn(SEG_SIZE);
@@ -90,6 +93,7 @@ pub fn volume() -> u64 {
         .unwrap_or(1 << 30)
 }
 
+/// The timeline every bench writes.
 pub fn ttid() -> TenantTimelineId {
     TenantTimelineId {
         tenant_id: TenantId([0xbe; 16]),
@@ -97,6 +101,7 @@ pub fn ttid() -> TenantTimelineId {
     }
 }
 
+/// A proposer's greeting for [`ttid`] (16 MiB segments, PostgreSQL 15).
 pub fn greeting() -> ProposerGreeting {
     let t = ttid();
     ProposerGreeting {
@@ -132,7 +137,9 @@ pub fn election() -> [ProposerAcceptorMessage; 3] {
 
 /// One timeline on the real disk, elected at term 1 with WAL starting at [`START`].
 pub struct Env {
+    /// The timeline.
     pub tl: Arc<Timeline>,
+    /// The registry holding it.
     pub timelines: Arc<GlobalTimelines>,
     /// Generates the WAL that continues this timeline's end.
     pub generator: WalGenerator,
@@ -189,6 +196,7 @@ pub fn append_msg(begin: Lsn, wal: Bytes, commit: bool) -> ProposerAcceptorMessa
 /// Pre-generated appends continuing from [`START`] on a fresh [`Env`]: the same workload is
 /// valid for every fresh timeline, so it is generated once per benchmark.
 pub struct Workload {
+    /// The appends, in order.
     pub msgs: Vec<ProposerAcceptorMessage>,
     /// Payload bytes (logical-message contents) in `msgs`.
     pub payload_bytes: u64,
@@ -302,6 +310,7 @@ impl Acceptor {
 pub struct CpuProfile(#[allow(dead_code)] pprof::ProfilerGuard<'static>);
 
 impl CpuProfile {
+    /// Starts sampling.
     pub fn start() -> anyhow::Result<CpuProfile> {
         let guard = pprof::ProfilerGuardBuilder::default()
             .frequency(PROFILE_HZ)

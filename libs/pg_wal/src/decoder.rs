@@ -23,39 +23,78 @@ use crate::lsn::{Lsn, XLOG_BLCKSZ};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid WAL at {lsn}: {kind}")]
 pub struct DecodeError {
+    /// Where the invalid page or record starts: the valid WAL ends at or before it.
     pub lsn: Lsn,
+    /// What was wrong there.
     pub kind: DecodeErrorKind,
 }
 
 /// What was wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeErrorKind {
+    /// The decoder was asked to start where no record can begin.
     #[error("decoding cannot start inside a page header or at an unaligned position")]
     BadStart,
+    /// A page header whose `xlp_magic` is not PostgreSQL 15's.
     #[error("bad page magic {0:#06X}")]
     BadMagic(u16),
+    /// A page header with unknown `xlp_info` bits, or a long header where a short one belongs
+    /// (or the reverse).
     #[error("bad page info bits {0:#06X}")]
     BadPageInfo(u16),
+    /// A page header whose `xlp_pageaddr` is not the page's own LSN (an old, recycled page).
     #[error("page address {got} differs from its position")]
-    BadPageAddr { got: Lsn },
+    BadPageAddr {
+        /// The `xlp_pageaddr` found.
+        got: Lsn,
+    },
+    /// A segment's long header that disagrees with the segment or block size.
     #[error("long page header gives segment size {seg_size} and block size {blcksz}")]
-    BadLongHeader { seg_size: u32, blcksz: u32 },
+    BadLongHeader {
+        /// `xlp_seg_size` found.
+        seg_size: u32,
+        /// `xlp_xlog_blcksz` found.
+        blcksz: u32,
+    },
+    /// `XLP_FIRST_IS_CONTRECORD` on a page where no record continues.
     #[error("page claims a continuation record but none is in progress")]
     UnexpectedContrecord,
+    /// A record spills onto a page that does not say it continues one.
     #[error("page lacks the continuation flag of the record in progress")]
     MissingContrecord,
+    /// `xlp_rem_len` disagrees with the bytes the record in progress still needs.
     #[error("continuation length {got}, expected {expected}")]
-    BadRemLen { got: u32, expected: u32 },
+    BadRemLen {
+        /// `xlp_rem_len` found.
+        got: u32,
+        /// Bytes the record still needs.
+        expected: u32,
+    },
+    /// `xl_tot_len` below the record header: zeroes or a torn tail, the usual end of WAL.
     #[error("record length {0} is below the 24-byte header (zeroed or torn tail)")]
     RecordTooShort(u32),
+    /// `xl_tot_len` above [`crate::format::MAX_RECORD_LEN`].
     #[error("record length {0} exceeds the maximum")]
     RecordTooLong(u32),
+    /// A resource manager id PostgreSQL 15 does not know.
     #[error("invalid resource manager id {0}")]
     BadRmgr(u8),
+    /// `xl_prev` does not point at the previous record.
     #[error("record's previous link {got} differs from the previous record {expected}")]
-    BadPrevLink { got: Lsn, expected: Lsn },
+    BadPrevLink {
+        /// `xl_prev` found.
+        got: Lsn,
+        /// Start of the previous record.
+        expected: Lsn,
+    },
+    /// The record's CRC-32C does not match its bytes.
     #[error("record CRC {got:#010X} differs from computed {computed:#010X}")]
-    BadCrc { got: u32, computed: u32 },
+    BadCrc {
+        /// `xl_crc` found.
+        got: u32,
+        /// CRC-32C of the record's bytes.
+        computed: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -139,9 +139,11 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 /// `XLogPageHeaderData`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageHeader {
+    /// [`XLOG_PAGE_MAGIC`] on a valid page.
     pub magic: u16,
     /// `XLP_*` flags.
     pub info: u16,
+    /// PostgreSQL timeline id ([`PG_TLI`]).
     pub tli: u32,
     /// LSN of the first byte of the page.
     pub pageaddr: Lsn,
@@ -176,14 +178,18 @@ impl PageHeader {
 /// `XLogLongPageHeaderData`: the header of the first page of each segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LongPageHeader {
+    /// The short header every page has (with [`XLP_LONG_HEADER`] set).
     pub std: PageHeader,
     /// PostgreSQL system identifier (0 when unknown).
     pub sysid: u64,
+    /// WAL segment size in bytes.
     pub seg_size: u32,
+    /// WAL page size ([`XLOG_BLCKSZ`]).
     pub xlog_blcksz: u32,
 }
 
 impl LongPageHeader {
+    /// The 40-byte little-endian encoding.
     pub fn encode(&self) -> [u8; SIZE_OF_XLOG_LONG_PHD] {
         let mut out = [0u8; SIZE_OF_XLOG_LONG_PHD];
         out[..SIZE_OF_XLOG_SHORT_PHD].copy_from_slice(&self.std.encode());
@@ -209,15 +215,20 @@ impl LongPageHeader {
 pub struct XLogRecordHeader {
     /// Total record length including this header.
     pub tot_len: u32,
+    /// Transaction id (0 outside a transaction).
     pub xid: u32,
     /// Start LSN of the previous record.
     pub prev: Lsn,
+    /// Flags; the high 4 bits belong to the resource manager ([`XLR_RMGR_INFO_MASK`]).
     pub info: u8,
+    /// Resource manager id.
     pub rmid: u8,
+    /// CRC-32C of the body, then of the header bytes before this field ([`record_crc`]).
     pub crc: u32,
 }
 
 impl XLogRecordHeader {
+    /// The 24-byte little-endian encoding (padding zeroed).
     pub fn encode(&self) -> [u8; SIZE_OF_XLOG_RECORD] {
         let mut out = [0u8; SIZE_OF_XLOG_RECORD];
         out[0..4].copy_from_slice(&self.tot_len.to_le_bytes());
@@ -229,6 +240,8 @@ impl XLogRecordHeader {
         out
     }
 
+    /// Decodes a 24-byte header (total: every bit pattern is a header; validity is the
+    /// decoder's business).
     pub fn decode(b: &[u8; SIZE_OF_XLOG_RECORD]) -> XLogRecordHeader {
         let u32_at = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
         let mut prev = [0u8; 8];
@@ -252,8 +265,10 @@ pub fn is_valid_rmid(rmid: u8) -> bool {
 /// Why WAL (generated, decoded or a first-segment image) cannot start where asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WalStartError {
+    /// The segment size is not one PostgreSQL accepts ([`is_valid_seg_size`]).
     #[error("invalid WAL segment size {0}: must be a power of two in 1 MiB..=1 GiB")]
     SegSize(u64),
+    /// The position cannot be a record boundary ([`check_record_boundary`]).
     #[error("start {0} is not a record boundary: not 8-byte aligned or inside a page header")]
     Start(Lsn),
 }

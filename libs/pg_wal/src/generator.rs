@@ -116,6 +116,7 @@ impl WalGenerator {
         self.prev
     }
 
+    /// WAL segment size of the stream.
     pub fn seg_size(&self) -> u64 {
         self.seg_size
     }

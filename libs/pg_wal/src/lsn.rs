@@ -14,9 +14,12 @@ pub const XLOG_BLCKSZ: u64 = 8192;
 pub struct Lsn(pub u64);
 
 impl Lsn {
+    /// 0: no position (PostgreSQL's `InvalidXLogRecPtr`).
     pub const INVALID: Lsn = Lsn(0);
+    /// The largest position.
     pub const MAX: Lsn = Lsn(u64::MAX);
 
+    /// Whether this is a position (not [`Lsn::INVALID`]).
     pub fn is_valid(self) -> bool {
         self != Lsn::INVALID
     }
@@ -51,10 +54,12 @@ impl Lsn {
         self.0.checked_add(7).map(|v| Lsn(v & !7))
     }
 
+    /// `n` bytes further, or `None` on overflow.
     pub fn checked_add(self, n: u64) -> Option<Lsn> {
         self.0.checked_add(n).map(Lsn)
     }
 
+    /// Bytes from `other` to `self`, or `None` if `other` is ahead.
     pub fn checked_sub(self, other: Lsn) -> Option<u64> {
         self.0.checked_sub(other.0)
     }

@@ -127,6 +127,7 @@ impl FieldDescription {
     }
 }
 
+/// The response to a COPY: 'G' CopyIn, 'H' CopyOut or 'W' CopyBoth.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CopyResponse {
     /// 0 = textual, 1 = binary.

@@ -24,9 +24,13 @@ use crate::{ErrorFields, PqError};
 /// Where and how to connect. `Debug` hides the password.
 #[derive(Clone)]
 pub struct ClientConfig {
+    /// Server host name or address.
     pub host: String,
+    /// Server port.
     pub port: u16,
+    /// The `user` startup parameter.
     pub user: String,
+    /// The `application_name` startup parameter, if any.
     pub application_name: Option<String>,
     /// The startup `options` parameter, e.g. `-c tenant_id=X timeline_id=Y`.
     pub options: Option<String>,
@@ -93,6 +97,7 @@ impl ClientConfig {
 /// The full answer to a simple query (the last result set if there were several statements).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QueryResult {
+    /// The result set's columns.
     pub columns: Vec<FieldDescription>,
     /// Text values; `None` = SQL NULL.
     pub rows: Vec<Vec<Option<String>>>,

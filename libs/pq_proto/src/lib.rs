@@ -40,6 +40,7 @@ pub use frontend::FrontendMessage;
 /// Errors of a connection (either side).
 #[derive(Debug, thiserror::Error)]
 pub enum PqError {
+    /// The socket failed.
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     /// The peer sent bytes that are not valid protocol; the connection must be closed.
@@ -51,7 +52,12 @@ pub enum PqError {
     /// The client sent a CancelRequest instead of a startup message; close the connection (and
     /// cancel the running query of that backend, if the caller supports that).
     #[error("cancel request for backend {process_id}")]
-    CancelRequest { process_id: i32, secret_key: i32 },
+    CancelRequest {
+        /// The backend whose query is to be cancelled.
+        process_id: i32,
+        /// Its secret key (from its BackendKeyData).
+        secret_key: i32,
+    },
     /// Server side: we refused the connection during startup or authentication; an
     /// ErrorResponse with these fields was already sent to the client.
     #[error("connection rejected: {0}")]
@@ -61,7 +67,12 @@ pub enum PqError {
     Server(ErrorFields),
     /// The peer sent a valid message that makes no sense at this point.
     #[error("unexpected message: expected {expected}, got {got}")]
-    Unexpected { expected: &'static str, got: String },
+    Unexpected {
+        /// What the state allows.
+        expected: &'static str,
+        /// What arrived.
+        got: String,
+    },
     /// Client side: the server asks for an authentication method we do not implement.
     #[error("unsupported authentication method: {0}")]
     UnsupportedAuth(String),

@@ -49,14 +49,23 @@ pub fn from_pg_timestamp(ts: i64) -> SystemTime {
 /// Why a CopyData payload is not a valid replication message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReplicationError {
+    /// A CopyData with no payload.
     #[error("empty replication message")]
     Empty,
+    /// A type byte no replication message has.
     #[error("unknown replication message type {tag:#04x}")]
-    UnknownTag { tag: u8 },
+    UnknownTag {
+        /// The type byte.
+        tag: u8,
+    },
+    /// A message whose length does not match its type.
     #[error("replication message '{}' has length {len}, expected {expected}", char::from(*tag))]
     BadLength {
+        /// The type byte.
         tag: u8,
+        /// The payload length, type byte included.
         len: usize,
+        /// The length the type requires.
         expected: &'static str,
     },
     /// A field could not be read (cannot happen once the length is checked; kept typed).
@@ -69,15 +78,22 @@ pub enum ReplicationError {
 pub enum ReplicationMessage {
     /// `w`: WAL bytes starting at `wal_start`; `wal_end` is the server's current end of WAL.
     XLogData {
+        /// LSN of `data`'s first byte.
         wal_start: Lsn,
+        /// The server's end of WAL when it sent this.
         wal_end: Lsn,
+        /// When it was sent (µs since 2000-01-01 UTC).
         send_time: i64,
+        /// The WAL bytes.
         data: Bytes,
     },
     /// `k`: the server's end of WAL; `reply_requested` asks for an immediate `r`.
     Keepalive {
+        /// The server's end of WAL.
         wal_end: Lsn,
+        /// When it was sent (µs since 2000-01-01 UTC).
         send_time: i64,
+        /// Whether the client must answer with a status update at once.
         reply_requested: bool,
     },
 }
@@ -87,18 +103,28 @@ pub enum ReplicationMessage {
 pub enum StandbyMessage {
     /// `r`: positions written, flushed and applied by the standby.
     StatusUpdate {
+        /// End of the WAL the standby has written.
         write: Lsn,
+        /// End of the WAL the standby has flushed.
         flush: Lsn,
+        /// End of the WAL the standby has applied.
         apply: Lsn,
+        /// When it was sent (µs since 2000-01-01 UTC).
         send_time: i64,
+        /// Whether the server must answer with a keepalive at once.
         reply_requested: bool,
     },
     /// `h`: the standby's xmin (0 = none) and catalog xmin, each with its epoch.
     HotStandbyFeedback {
+        /// When it was sent (µs since 2000-01-01 UTC).
         send_time: i64,
+        /// The standby's oldest running xmin (0 = none).
         xmin: u32,
+        /// The epoch of `xmin`.
         epoch: u32,
+        /// The standby's catalog xmin (0 = none).
         catalog_xmin: u32,
+        /// The epoch of `catalog_xmin`.
         catalog_epoch: u32,
     },
     /// `z`: neon pageserver feedback; the bytes after the tag, not decoded here.

@@ -110,6 +110,7 @@ fn is_false(v: &str) -> bool {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
+    /// A connection over `stream`, before its startup handshake.
     pub fn new(stream: S, config: ServerConfig) -> Self {
         ServerConn {
             stream,

@@ -20,6 +20,10 @@
 //! Not here: the file stores, timelines and network services (the `safekeeper` crate) and the
 //! proposer (the `walproposer` crate).
 
+// No `unwrap()` outside tests: bytes from the network or the disk are handled as errors, local
+// invariants are stated with `expect("why it cannot fail")`.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod failpoint;
 pub mod protocol;
 pub mod safekeeper;

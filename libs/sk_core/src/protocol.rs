@@ -40,50 +40,99 @@ const TERM_HISTORY_ENTRY_BYTES: usize = 16;
 /// Why a frame could not be decoded. Any of these closes the connection.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeError {
+    /// A frame with no bytes.
     #[error("empty message")]
     Empty,
+    /// A tag no message of this direction has.
     #[error("unknown message tag {0:#04x}")]
     UnknownTag(u8),
     /// A field could not be read: truncated, too long, too many, trailing bytes.
     #[error(transparent)]
     Read(#[from] ReadError),
+    /// A tenant or timeline id that is not 32 hex characters.
     #[error("{field}: invalid id {value:?}")]
-    InvalidId { field: &'static str, value: String },
+    InvalidId {
+        /// Which id.
+        field: &'static str,
+        /// What was sent.
+        value: String,
+    },
+    /// An append whose range is reversed.
     #[error("append end_lsn {end} is below begin_lsn {begin}")]
-    EndBeforeBegin { begin: Lsn, end: Lsn },
+    EndBeforeBegin {
+        /// `begin_lsn` sent.
+        begin: Lsn,
+        /// `end_lsn` sent.
+        end: Lsn,
+    },
+    /// An append of more than [`MAX_SEND_SIZE`] bytes (refused before reading them).
     #[error("append carries {len} bytes of WAL, more than MAX_SEND_SIZE ({max})")]
-    AppendTooLarge { len: u64, max: usize },
+    AppendTooLarge {
+        /// `end_lsn - begin_lsn` sent.
+        len: u64,
+        /// [`MAX_SEND_SIZE`].
+        max: usize,
+    },
+    /// A non-zero generation with an empty member list.
     #[error("membership generation {0} with no members")]
     EmptyMembership(Generation),
+    /// Two members with one id.
     #[error("duplicate member id {0}")]
     DuplicateMember(NodeId),
+    /// A term history out of order.
     #[error(transparent)]
     TermHistory(#[from] TermHistoryError),
+    /// A known pageserver feedback key with a value of the wrong length.
     #[error("pageserver feedback key {key:?} has length {len}, expected {expected}")]
     FeedbackLength {
+        /// The key.
         key: String,
+        /// The length sent.
         len: i32,
+        /// The key's length.
         expected: i32,
     },
+    /// An unknown pageserver feedback key with a negative length (which cannot be skipped).
     #[error("pageserver feedback key {key:?} has invalid length {len}")]
-    FeedbackBadLength { key: String, len: i32 },
+    FeedbackBadLength {
+        /// The key.
+        key: String,
+        /// The length sent.
+        len: i32,
+    },
 }
 
 /// Why a message could not be encoded (a local bug, never a peer's fault).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EncodeError {
+    /// A message that only exists inside the safekeeper (`NoFlushAppendRequest`, `FlushWAL`).
     #[error("{0} is internal to the safekeeper and never sent")]
     InternalOnly(&'static str),
+    /// A string field with a NUL byte, which its C-string encoding cannot carry.
     #[error("{field} contains a NUL byte")]
-    NulInString { field: &'static str },
+    NulInString {
+        /// Which field.
+        field: &'static str,
+    },
+    /// More entries than the decoder would accept.
     #[error("{field}: {count} entries exceed the limit of {max}")]
     TooMany {
+        /// Which list.
         field: &'static str,
+        /// Its length.
         count: usize,
+        /// The limit.
         max: usize,
     },
+    /// An append whose WAL length is not `end_lsn - begin_lsn`.
     #[error("append WAL payload is {len} bytes but end_lsn - begin_lsn is {expected}")]
-    WalLengthMismatch { len: usize, expected: u64 },
+    WalLengthMismatch {
+        /// Bytes of WAL.
+        len: usize,
+        /// `end_lsn - begin_lsn`.
+        expected: u64,
+    },
+    /// An append of more than [`MAX_SEND_SIZE`] bytes.
     #[error("append WAL payload is {0} bytes, more than MAX_SEND_SIZE")]
     AppendTooLarge(usize),
 }
@@ -94,7 +143,9 @@ pub enum EncodeError {
 /// `g`: the proposer introduces itself and the timeline it writes.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct ProposerGreeting {
+    /// The tenant of the timeline.
     pub tenant_id: TenantId,
+    /// The timeline the proposer writes.
     pub timeline_id: TimelineId,
     /// The proposer's view of the membership configuration.
     pub mconf: Configuration,
@@ -102,10 +153,12 @@ pub struct ProposerGreeting {
     pub pg_version: u32,
     /// PostgreSQL system identifier; 0 = unknown (sync-safekeepers).
     pub system_id: u64,
+    /// WAL segment size in bytes.
     pub wal_seg_size: u32,
 }
 
 impl ProposerGreeting {
+    /// The timeline the greeting is for.
     pub fn ttid(&self) -> TenantTimelineId {
         TenantTimelineId {
             tenant_id: self.tenant_id,
@@ -117,7 +170,9 @@ impl ProposerGreeting {
 /// `v`: asks for a vote in `term`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct VoteRequest {
+    /// Membership generation the sender acts in (0: no membership configuration).
     pub generation: Generation,
+    /// The term the proposer wants to lead.
     pub term: Term,
 }
 
@@ -125,8 +180,12 @@ pub struct VoteRequest {
 /// adopt `term_history`.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct ProposerElected {
+    /// Membership generation the sender acts in (0: no membership configuration).
     pub generation: Generation,
+    /// The term the proposer won.
     pub term: Term,
+    /// Where this acceptor's WAL must end before the new term's WAL arrives: the highest
+    /// point its history has in common with the proposer's.
     pub start_streaming_at: Lsn,
     /// The proposer's history; its last entry is `(term, term_start_lsn)`.
     pub term_history: TermHistory,
@@ -135,8 +194,11 @@ pub struct ProposerElected {
 /// The fixed part of an `AppendRequest`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct AppendRequestHeader {
+    /// Membership generation the sender acts in (0: no membership configuration).
     pub generation: Generation,
+    /// The proposer's term.
     pub term: Term,
+    /// LSN of the first WAL byte carried.
     pub begin_lsn: Lsn,
     /// Invariant: `end_lsn >= begin_lsn`, `end_lsn - begin_lsn <= MAX_SEND_SIZE`.
     pub end_lsn: Lsn,
@@ -149,6 +211,7 @@ pub struct AppendRequestHeader {
 /// `a`: WAL bytes `[begin_lsn, end_lsn)`.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct AppendRequest {
+    /// The fixed fields.
     pub h: AppendRequestHeader,
     /// Invariant: `wal_data.len() == end_lsn - begin_lsn`. A slice of the received frame.
     pub wal_data: Bytes,
@@ -157,8 +220,11 @@ pub struct AppendRequest {
 /// Messages an acceptor processes.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum ProposerAcceptorMessage {
+    /// `g`: the first message of a connection.
     Greeting(ProposerGreeting),
+    /// `v`: a vote request.
     VoteRequest(VoteRequest),
+    /// `e`: the proposer was elected.
     Elected(ProposerElected),
     /// Write and make durable before answering.
     AppendRequest(AppendRequest),
@@ -172,17 +238,22 @@ pub enum ProposerAcceptorMessage {
 /// `g` reply: who the acceptor is and the highest term it has seen.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct AcceptorGreeting {
+    /// The acceptor's node id.
     pub node_id: NodeId,
+    /// The acceptor's membership configuration.
     pub mconf: Configuration,
+    /// The highest term the acceptor has seen.
     pub term: Term,
 }
 
 /// `v` reply.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct VoteResponse {
+    /// Membership generation the sender acts in (0: no membership configuration).
     pub generation: Generation,
     /// The acceptor's term after processing the request.
     pub term: Term,
+    /// Whether the vote was given (durably: it is persisted before this reply exists).
     pub vote_given: bool,
     /// Durable end of the acceptor's WAL.
     pub flush_lsn: Lsn,
@@ -195,17 +266,24 @@ pub struct VoteResponse {
 /// Hot-standby feedback aggregated from readers (zero = none).
 #[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
 pub struct HotStandbyFeedback {
+    /// When it was produced (µs since 2000-01-01 UTC).
     pub ts: i64,
+    /// Oldest xmin any reader still needs (full 64-bit transaction id).
     pub xmin: u64,
+    /// Oldest catalog xmin any reader still needs.
     pub catalog_xmin: u64,
 }
 
 /// Pageserver progress, forwarded to the compute for backpressure.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
 pub struct PageserverFeedback {
+    /// Logical size of the timeline on the pageserver, in bytes.
     pub current_timeline_size: u64,
+    /// WAL the pageserver has received (`ps_writelsn`).
     pub last_received_lsn: Lsn,
+    /// WAL the pageserver has made durable locally (`ps_flushlsn`).
     pub disk_consistent_lsn: Lsn,
+    /// WAL the pageserver has uploaded to remote storage (`ps_applylsn`).
     pub remote_consistent_lsn: Lsn,
     /// Microseconds since 2000-01-01 (PostgreSQL epoch).
     pub replytime: i64,
@@ -218,13 +296,17 @@ pub struct PageserverFeedback {
 /// `a` reply.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct AppendResponse {
+    /// Membership generation the sender acts in (0: no membership configuration).
     pub generation: Generation,
+    /// The acceptor's term.
     pub term: Term,
     /// Durable end of the acceptor's WAL (0 in a term-only refusal).
     pub flush_lsn: Lsn,
     /// The acceptor's *persisted* commit LSN (0 in a term-only refusal).
     pub commit_lsn: Lsn,
+    /// What the acceptor's readers still need.
     pub hs_feedback: HotStandbyFeedback,
+    /// The pageserver's progress, when the acceptor has it.
     pub pageserver_feedback: Option<PageserverFeedback>,
 }
 
@@ -245,8 +327,11 @@ impl AppendResponse {
 /// Messages an acceptor sends.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum AcceptorProposerMessage {
+    /// `g`: the answer to a greeting.
     Greeting(AcceptorGreeting),
+    /// `v`: the answer to a vote request.
     VoteResponse(VoteResponse),
+    /// `a`: the answer to appends (and to an election).
     AppendResponse(AppendResponse),
 }
 

@@ -28,47 +28,95 @@ use crate::types::{
 /// Why a message was refused. Every variant closes the proposer's connection.
 #[derive(Debug, thiserror::Error)]
 pub enum SafeKeeperError {
+    /// A greeting for another timeline than this acceptor's.
     #[error("greeting is for timeline {got}, this is {ours}")]
     WrongTimeline {
+        /// This acceptor's timeline.
         ours: TenantTimelineId,
+        /// The greeting's.
         got: TenantTimelineId,
     },
+    /// A proposer of another PostgreSQL major version than the timeline's.
     #[error("proposer runs PostgreSQL {theirs}, timeline has major version of {ours}")]
-    PgVersionMismatch { ours: u32, theirs: u32 },
+    PgVersionMismatch {
+        /// The timeline's version.
+        ours: u32,
+        /// The proposer's.
+        theirs: u32,
+    },
+    /// A proposer with another WAL segment size than the timeline's.
     #[error("proposer uses WAL segment size {theirs}, timeline has {ours}")]
-    WalSegSizeMismatch { ours: u32, theirs: u32 },
+    WalSegSizeMismatch {
+        /// The timeline's segment size.
+        ours: u32,
+        /// The proposer's.
+        theirs: u32,
+    },
+    /// The proposer's configuration does not include this node.
     #[error("node {node_id} is not a member of configuration generation {generation}")]
     NotAMember {
+        /// This node.
         node_id: NodeId,
+        /// The configuration's generation.
         generation: Generation,
     },
+    /// A message of another membership generation than the acceptor's.
     #[error("message generation {theirs} differs from ours {ours}")]
     GenerationMismatch {
+        /// The acceptor's generation.
         ours: Generation,
+        /// The message's.
         theirs: Generation,
     },
+    /// An append of the current term before the `ProposerElected` that starts it.
     #[error("append in term {theirs} before ProposerElected (our term {ours})")]
-    AppendBeforeElected { ours: Term, theirs: Term },
+    AppendBeforeElected {
+        /// The acceptor's term.
+        ours: Term,
+        /// The append's.
+        theirs: Term,
+    },
+    /// `ProposerElected` with a start that is not the highest common point of the histories.
     #[error(
         "elected: start_streaming_at {start_streaming_at} differs from the highest common point {common_point}"
     )]
     StartStreamingMismatch {
+        /// The message's start.
         start_streaming_at: Lsn,
+        /// The highest common point the acceptor computed.
         common_point: Lsn,
     },
+    /// `ProposerElected` that would truncate committed WAL.
     #[error("elected: start_streaming_at {start_streaming_at} is below commit_lsn {commit_lsn}")]
     TruncateBelowCommit {
+        /// The message's start.
         start_streaming_at: Lsn,
+        /// The acceptor's commit LSN.
         commit_lsn: Lsn,
     },
+    /// `ProposerElected` without a term history.
     #[error("elected: empty term history")]
     EmptyTermHistory,
+    /// `ProposerElected` whose history does not end with its own term.
     #[error("elected: last history entry is term {last}, message term is {term}")]
-    HistoryTermMismatch { last: Term, term: Term },
+    HistoryTermMismatch {
+        /// The history's last term.
+        last: Term,
+        /// The message's term.
+        term: Term,
+    },
+    /// Inconsistent term histories.
     #[error(transparent)]
     TermHistory(#[from] TermHistoryError),
+    /// At start-up: the WAL found ends below the persisted commit LSN.
     #[error("WAL ends at {flush_lsn}, below the persisted commit_lsn {commit_lsn}: data loss")]
-    WalBelowCommit { flush_lsn: Lsn, commit_lsn: Lsn },
+    WalBelowCommit {
+        /// Where the WAL ends.
+        flush_lsn: Lsn,
+        /// The persisted commit LSN.
+        commit_lsn: Lsn,
+    },
+    /// Storage failed (the message had no effect beyond what the error says).
     #[error("storage: {0}")]
     Storage(#[from] storage::Error),
 }
@@ -80,7 +128,9 @@ pub enum SafeKeeperError {
 pub struct InMemoryState {
     /// Invariant: `commit_lsn <= flush_lsn()`; never decreases.
     pub commit_lsn: Lsn,
+    /// Oldest WAL any peer may still need (the proposer's `truncate_lsn`).
     pub peer_horizon_lsn: Lsn,
+    /// WAL the pageserver has uploaded to remote storage.
     pub remote_consistent_lsn: Lsn,
 }
 
@@ -144,6 +194,7 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
 
     // ----- accessors -----------------------------------------------------------------------
 
+    /// This node's id.
     pub fn node_id(&self) -> NodeId {
         self.node_id
     }
@@ -158,6 +209,7 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
         self.inmem
     }
 
+    /// The timeline this acceptor serves.
     pub fn ttid(&self) -> TenantTimelineId {
         TenantTimelineId {
             tenant_id: self.control.tenant_id,
@@ -208,14 +260,17 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
         self.get_term_history().last_log_term()
     }
 
+    /// The WAL store.
     pub fn wal(&self) -> &WAL {
         &self.wal
     }
 
+    /// The WAL store, to change it behind the acceptor's back (benches rewind it).
     pub fn wal_mut(&mut self) -> &mut WAL {
         &mut self.wal
     }
 
+    /// The control store.
     pub fn control(&self) -> &CTRL {
         &self.control
     }

@@ -6,8 +6,11 @@ use crate::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, Timelin
 /// One member of a safekeeper set.
 #[derive(Clone, PartialEq, Eq, Debug, serde::Serialize)]
 pub struct SafekeeperId {
+    /// The member's node id.
     pub id: NodeId,
+    /// Host name or address its PostgreSQL-protocol port listens on.
     pub host: String,
+    /// Its PostgreSQL-protocol port.
     pub pg_port: u16,
 }
 
@@ -16,7 +19,9 @@ pub struct SafekeeperId {
 /// Invariant: a non-zero `generation` has at least one member; member ids are unique.
 #[derive(Clone, Default, PartialEq, Eq, Debug, serde::Serialize)]
 pub struct Configuration {
+    /// The configuration's generation (0: no membership configuration, legacy mode).
     pub generation: Generation,
+    /// The members (the old half of a joint configuration).
     pub members: Vec<SafekeeperId>,
     /// Set during a joint-consensus change.
     pub new_members: Option<Vec<SafekeeperId>>,
@@ -57,10 +62,15 @@ pub struct ServerInfo {
 /// Everything about a timeline that must survive a restart (the control file's body).
 #[derive(Clone, PartialEq, Eq, Debug, serde::Serialize)]
 pub struct TimelinePersistentState {
+    /// The tenant of the timeline.
     pub tenant_id: TenantId,
+    /// The timeline.
     pub timeline_id: TimelineId,
+    /// The membership configuration this acceptor knows.
     pub mconf: Configuration,
+    /// Term and term history.
     pub acceptor_state: AcceptorState,
+    /// The proposer's PostgreSQL server.
     pub server: ServerInfo,
     /// Where the timeline's WAL begins (globally).
     pub timeline_start_lsn: Lsn,

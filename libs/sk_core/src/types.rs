@@ -31,6 +31,7 @@ impl fmt::Display for Term {
 pub struct Generation(pub u32);
 
 impl Generation {
+    /// 0: no membership configuration.
     pub const INVALID: Generation = Generation(0);
 }
 
@@ -106,7 +107,9 @@ hex_id!(
 /// Identifies one consensus instance: a timeline of a tenant.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub struct TenantTimelineId {
+    /// The tenant.
     pub tenant_id: TenantId,
+    /// The timeline of that tenant.
     pub timeline_id: TimelineId,
 }
 
@@ -119,7 +122,9 @@ impl fmt::Display for TenantTimelineId {
 /// One entry of a term history: `term` began writing WAL at `lsn`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, serde::Serialize)]
 pub struct TermLsn {
+    /// The term.
     pub term: Term,
+    /// Where its WAL begins.
     pub lsn: Lsn,
 }
 
@@ -137,6 +142,7 @@ pub struct TermHistory(pub Vec<TermLsn>);
 pub struct TermHistoryError(pub String);
 
 impl TermHistory {
+    /// A history with no entry (a timeline nobody was elected for).
     pub fn empty() -> TermHistory {
         TermHistory(Vec::new())
     }

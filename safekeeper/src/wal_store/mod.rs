@@ -23,6 +23,9 @@
 //! `WalAcceptor`), the control file ([`crate::control_file`]), or which segments may be removed
 //! (the caller passes the horizon to [`WalFileStore::remove_segments_up_to`]).
 
+// Storage: no `unwrap()` outside tests (see sk_core).
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod prepare;
 pub mod reader;
 pub mod recovery;
@@ -194,10 +197,12 @@ impl WalFileStore {
         self.prep.wait();
     }
 
+    /// The timeline directory holding the segments.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
+    /// Segment size in bytes.
     pub fn seg_size(&self) -> u64 {
         self.seg_size
     }

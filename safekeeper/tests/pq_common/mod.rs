@@ -412,6 +412,7 @@ impl PgCluster {
             .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
             .filter(|p| p.join("pg_ctl").exists())
             .expect("pg_config --bindir holds pg_ctl");
+        // SAFETY: geteuid takes no arguments, touches no memory of ours and cannot fail.
         let as_postgres = unsafe { libc::geteuid() } == 0;
         let dir = tempfile::tempdir().expect("tempdir");
         if as_postgres {

@@ -47,6 +47,7 @@ pub trait FileHandle: fmt::Debug + Send + Sync {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize>;
     /// Writes all of `buf` at `off`, extending the file with zeros if `off` is past its end.
     fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
+    /// Truncates or extends (with zeros) the file to `len` bytes.
     fn set_len(&self, len: u64) -> io::Result<()>;
     /// `fdatasync` or `fsync`. Callers go through [`crate::storage::durable::fsync_or_abort`].
     fn sync(&self, kind: SyncKind) -> io::Result<()>;
@@ -82,16 +83,20 @@ pub fn read_full_at<F: FileHandle + ?Sized>(f: &F, buf: &mut [u8], off: u64) -> 
 /// Operations on names. Paths are absolute or relative to the process's working directory
 /// (real) or to the simulation's root (simulated).
 pub trait FileSystem: fmt::Debug + Send + Sync {
+    /// Opens `path` as `mode` says.
     fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Box<dyn FileHandle>>;
     /// Atomically replaces `to` with `from`: a file within one directory, or a directory
     /// (which `to` must not name yet).
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Removes the file `path`.
     fn remove_file(&self, path: &Path) -> io::Result<()>;
+    /// Creates directory `path` and its missing parents.
     fn create_dir_all(&self, path: &Path) -> io::Result<()>;
     /// Removes directory `path` and everything below it.
     fn remove_dir_all(&self, path: &Path) -> io::Result<()>;
     /// Names of the entries (files and directories) of directory `path`.
     fn list_dir(&self, path: &Path) -> io::Result<Vec<String>>;
+    /// Whether `path` names a file or a directory.
     fn exists(&self, path: &Path) -> bool;
     /// Whether `path` is a directory.
     fn is_dir(&self, path: &Path) -> bool;
@@ -380,9 +385,11 @@ impl Operation<BTreeMap<String, u64>> for DirOp {
 pub struct PowerLossReport {
     /// Unsynced file operations (writes, size changes) forgotten / kept.
     pub file_ops_lost: usize,
+    /// See `file_ops_lost`.
     pub file_ops_kept: usize,
     /// Unsynced directory operations (creations, renames, deletions) forgotten / kept.
     pub dir_ops_lost: usize,
+    /// See `dir_ops_lost`.
     pub dir_ops_kept: usize,
 }
 
@@ -410,6 +417,7 @@ fn split(path: &Path) -> io::Result<(PathBuf, String)> {
 }
 
 impl SimFs {
+    /// An empty simulated file system.
     pub fn new() -> Arc<SimFs> {
         Arc::new(SimFs::default())
     }

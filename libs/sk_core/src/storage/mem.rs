@@ -29,6 +29,7 @@ pub struct MemControlStore {
 }
 
 impl MemControlStore {
+    /// A store whose durable state is `state`.
     pub fn new(state: TimelinePersistentState) -> MemControlStore {
         MemControlStore {
             state,

@@ -29,13 +29,21 @@ pub enum Error {
     Rejected(String),
     /// Stored data failed verification.
     #[error("corruption in {file}: {reason}")]
-    Corruption { file: String, reason: String },
+    Corruption {
+        /// The file (or directory) that failed.
+        file: String,
+        /// What was wrong.
+        reason: String,
+    },
     /// The disk is full. Nothing was acknowledged; the write may be retried when space returns.
     #[error("no space left on device while {0}")]
     NoSpace(String),
+    /// Any other I/O error.
     #[error("{context}: {source}")]
     Io {
+        /// What was being done.
         context: String,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
@@ -55,6 +63,7 @@ impl Error {
     }
 }
 
+/// The result of a storage operation.
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Durable control state of one timeline. Derefs to the last persisted state.
