@@ -42,11 +42,9 @@ impl From<TimelineError> for ApiError {
                 ApiError::NotFound(format!("timeline {ttid} not found"))
             }
             TimelineError::BadSegmentSize(_) => ApiError::BadRequest(e.to_string()),
-            TimelineError::Corruption { .. }
-            | TimelineError::NoSpace(_)
-            | TimelineError::Io { .. }
-            | TimelineError::Rejected(_)
-            | TimelineError::Acceptor { .. } => ApiError::Internal(e.into()),
+            TimelineError::Storage(_) | TimelineError::Acceptor { .. } => {
+                ApiError::Internal(e.into())
+            }
         }
     }
 }

@@ -315,10 +315,9 @@ impl Drop for ConnectionGuard {
     }
 }
 
-/// Why a timeline could not be opened, found or created. Storage failures keep their kind
-/// ([`TimelineError::Corruption`], [`TimelineError::NoSpace`], [`TimelineError::Io`]) up to where
-/// they are answered: [`TimelineError::sqlstate`] on the wire, the HTTP error mapping, the
-/// daemon's start-up.
+/// Why a timeline could not be opened, found or created. A storage failure keeps its kind
+/// (`Corruption`, `NoSpace`, `Io`, `Rejected` of [`storage::Error`]) up to where it is answered:
+/// [`TimelineError::sqlstate`] on the wire, the HTTP error mapping, the daemon's start-up.
 #[derive(Debug, thiserror::Error)]
 pub enum TimelineError {
     /// No such timeline, and the proposer did not allow creating it.
@@ -327,29 +326,10 @@ pub enum TimelineError {
     /// A greeting asked for a segment size PostgreSQL does not support.
     #[error("invalid WAL segment size {0}: must be a power of two from 1 MiB to 1 GiB")]
     BadSegmentSize(u32),
-    /// Stored data failed verification: the timeline refuses to start.
-    #[error("corruption in {file}: {reason}")]
-    Corruption {
-        /// The file or directory that failed.
-        file: String,
-        /// What was wrong.
-        reason: String,
-    },
-    /// The disk is full.
-    #[error("no space left on device while {0}")]
-    NoSpace(String),
-    /// Any other I/O error.
-    #[error("{context}: {source}")]
-    Io {
-        /// What was being done.
-        context: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Storage refused the request (e.g. a control file that already exists).
-    #[error("rejected: {0}")]
-    Rejected(String),
+    /// Storage failed: stored data that fails verification (the timeline refuses to start), a
+    /// full disk, another I/O error, or a request the stored state refuses.
+    #[error(transparent)]
+    Storage(#[from] storage::Error),
     /// The acceptor refused the stored state.
     #[error("starting timeline {ttid} in {dir}: {source}")]
     Acceptor {
@@ -377,24 +357,13 @@ impl TimelineError {
         match self {
             TimelineError::NotFound(_)
             | TimelineError::BadSegmentSize(_)
-            | TimelineError::Corruption { .. }
-            | TimelineError::NoSpace(_)
-            | TimelineError::Io { .. }
-            | TimelineError::Rejected(_)
+            | TimelineError::Storage(
+                storage::Error::Corruption { .. }
+                | storage::Error::NoSpace(_)
+                | storage::Error::Io { .. }
+                | storage::Error::Rejected(_),
+            )
             | TimelineError::Acceptor { .. } => pq_proto::sqlstate::UNDEFINED_OBJECT,
-        }
-    }
-}
-
-impl From<storage::Error> for TimelineError {
-    fn from(e: storage::Error) -> TimelineError {
-        match e {
-            storage::Error::Rejected(m) => TimelineError::Rejected(m),
-            storage::Error::Corruption { file, reason } => {
-                TimelineError::Corruption { file, reason }
-            }
-            storage::Error::NoSpace(m) => TimelineError::NoSpace(m),
-            storage::Error::Io { context, source } => TimelineError::Io { context, source },
         }
     }
 }

@@ -101,18 +101,7 @@ fn write_flush(c: &mut Criterion) {
             let mut feed = WalFeed::new(seg_size);
             g.throughput(Throughput::Bytes(size as u64));
             g.bench_function(format!("{label}={size}"), |b| {
-                b.iter_custom(|iters| {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iters {
-                        let wal = feed.next(size);
-                        let lsn = store.write_lsn();
-                        let t = Instant::now();
-                        store.write_wal(lsn, wal).unwrap();
-                        store.flush_wal().unwrap();
-                        total += t.elapsed();
-                    }
-                    total
-                })
+                b.iter_custom(|iters| time_appends(&mut store, &mut feed, iters, size, true))
             });
             // Segments this run left behind go with the temp dir.
             drop(store);
@@ -162,6 +151,34 @@ impl WalFeed {
     }
 }
 
+/// Times `iters` appends of `size` bytes of `feed` into `store`, each flushed if `flush`.
+/// Without flushes (a `no_sync` store) old segments are removed after each append, untimed:
+/// segment creation is part of the cost, disk space is not.
+fn time_appends(
+    store: &mut WalFileStore,
+    feed: &mut WalFeed,
+    iters: u64,
+    size: usize,
+    flush: bool,
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        let wal = feed.next(size);
+        let lsn = store.write_lsn();
+        let t = Instant::now();
+        store.write_wal(lsn, wal).unwrap();
+        if flush {
+            store.flush_wal().unwrap();
+        }
+        total += t.elapsed();
+        let cur = store.write_lsn().segment_number(store.seg_size());
+        if !flush && cur > 2 {
+            store.remove_segments_up_to(cur - 2).unwrap();
+        }
+    }
+    total
+}
+
 /// The CPU side of an append: decode + `pwrite` to the page cache, no fsync (`no_sync`).
 fn write_no_sync(c: &mut Criterion) {
     let mut g = c.benchmark_group("write");
@@ -176,23 +193,7 @@ fn write_no_sync(c: &mut Criterion) {
         let mut feed = WalFeed::new(seg_size);
         g.throughput(Throughput::Bytes(size as u64));
         g.bench_function(format!("store_no_sync/size={size}"), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let wal = feed.next(size);
-                    let lsn = store.write_lsn();
-                    let t = Instant::now();
-                    store.write_wal(lsn, wal).unwrap();
-                    total += t.elapsed();
-                    // Stay within a few segments: segment creation is part of the cost, disk
-                    // space is not.
-                    let cur = store.write_lsn().segment_number(seg_size);
-                    if cur > 2 {
-                        store.remove_segments_up_to(cur - 2).unwrap();
-                    }
-                }
-                total
-            })
+            b.iter_custom(|iters| time_appends(&mut store, &mut feed, iters, size, false))
         });
     }
     g.finish();

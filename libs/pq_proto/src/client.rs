@@ -12,12 +12,10 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 
-use crate::backend::{
-    Authentication, BackendMessage, FieldDescription, decode_backend, put_copy_data,
-};
+use crate::backend::{Authentication, BackendMessage, FieldDescription, put_copy_data};
 use crate::framing::DEFAULT_MAX_MESSAGE_SIZE;
 use crate::frontend::{FrontendMessage, StartupPacket, StartupParams};
-use crate::io::{flush_buf, read_frame};
+use crate::io::{flush_buf, read_backend};
 use crate::replication::StandbyMessage;
 use crate::{ErrorFields, PqError};
 
@@ -204,14 +202,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
 
     /// Reads the next message; EOF is an error here. Cancellation-safe.
     async fn read_message(&mut self) -> Result<BackendMessage, PqError> {
-        read_frame(
-            &mut self.stream,
-            &mut self.read_buf,
-            self.max_message_size,
-            decode_backend,
-        )
-        .await?
-        .ok_or(PqError::ConnectionClosed)
+        read_backend(&mut self.stream, &mut self.read_buf, self.max_message_size).await
     }
 
     async fn flush(&mut self) -> Result<(), PqError> {
@@ -370,14 +361,7 @@ impl<R: AsyncRead + Unpin> CopyBothReader<R> {
     /// The next backend message of any kind; EOF is [`PqError::ConnectionClosed`].
     /// Cancellation-safe.
     pub async fn read_message(&mut self) -> Result<BackendMessage, PqError> {
-        read_frame(
-            &mut self.stream,
-            &mut self.read_buf,
-            self.max_message_size,
-            decode_backend,
-        )
-        .await?
-        .ok_or(PqError::ConnectionClosed)
+        read_backend(&mut self.stream, &mut self.read_buf, self.max_message_size).await
     }
 
     /// Whether the server has sent CopyDone.

@@ -3,6 +3,8 @@
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::backend::{BackendMessage, decode_backend};
+use crate::frontend::{FrontendMessage, decode_frontend};
 use crate::{PqError, ProtocolError};
 
 /// How much free room to keep in a read buffer before each read.
@@ -36,6 +38,28 @@ where
             };
         }
     }
+}
+
+/// Reads the next frontend message (server side). `Ok(None)`: clean EOF between messages.
+/// Cancellation-safe, as [`read_frame`].
+pub(crate) async fn read_frontend<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut BytesMut,
+    max: usize,
+) -> Result<Option<FrontendMessage>, PqError> {
+    read_frame(r, buf, max, decode_frontend).await
+}
+
+/// Reads the next backend message (client side); EOF is [`PqError::ConnectionClosed`].
+/// Cancellation-safe, as [`read_frame`].
+pub(crate) async fn read_backend<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut BytesMut,
+    max: usize,
+) -> Result<BackendMessage, PqError> {
+    read_frame(r, buf, max, decode_backend)
+        .await?
+        .ok_or(PqError::ConnectionClosed)
 }
 
 /// Writes all of `buf` and flushes the stream.

@@ -27,10 +27,8 @@ use crate::backend::{
 };
 use crate::error::{ErrorFields, sqlstate};
 use crate::framing::DEFAULT_MAX_MESSAGE_SIZE;
-use crate::frontend::{
-    FrontendMessage, StartupPacket, StartupParams, decode_frontend, decode_startup,
-};
-use crate::io::{flush_buf, read_frame};
+use crate::frontend::{FrontendMessage, StartupPacket, StartupParams, decode_startup};
+use crate::io::{flush_buf, read_frame, read_frontend};
 use crate::replication::{ReplicationMessage, xlog_data_header};
 
 /// The `server_version` we report. Clients parse it with `%d.%d`: major 15, so PostgreSQL 15's
@@ -294,13 +292,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
     ///
     /// Cancellation-safe: bytes read so far stay in the connection's buffer.
     pub async fn read_message(&mut self) -> Result<Option<FrontendMessage>, PqError> {
-        read_frame(
-            &mut self.stream,
-            &mut self.read_buf,
-            self.config.max_message_size,
-            decode_frontend,
-        )
-        .await
+        let max = self.config.max_message_size;
+        read_frontend(&mut self.stream, &mut self.read_buf, max).await
     }
 
     /// Appends a message to the write buffer (nothing is sent until [`Self::flush`]).
@@ -428,13 +421,8 @@ impl<R: AsyncRead + Unpin> ServerReader<R> {
     ///
     /// Cancellation-safe: bytes read so far stay in the reader's buffer.
     pub async fn read_message(&mut self) -> Result<Option<FrontendMessage>, PqError> {
-        read_frame(
-            &mut self.stream,
-            &mut self.read_buf,
-            self.config.max_message_size,
-            decode_frontend,
-        )
-        .await
+        let max = self.config.max_message_size;
+        read_frontend(&mut self.stream, &mut self.read_buf, max).await
     }
 }
 
