@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,13 +41,25 @@ def pytest_promises() -> dict[tuple[str, str], set[int]]:
     return out
 
 
+def crate_dirs() -> list[Path]:
+    """Every crate of the workspace: the members of the root `Cargo.toml`."""
+    workspace = tomllib.loads((ROOT / "Cargo.toml").read_text())["workspace"]
+    return [ROOT / member for member in workspace["members"]]
+
+
 def rust_functions() -> set[str]:
+    """The names of every Rust function of every crate (sources, tests, benches)."""
     names: set[str] = set()
-    for path in ROOT.glob("*/**/*.rs"):
-        if "target" in path.parts:
-            continue
-        names.update(re.findall(r"\bfn (\w+)\s*[(<]", path.read_text()))
+    for crate in crate_dirs():
+        for path in crate.rglob("*.rs"):
+            names.update(re.findall(r"\bfn (\w+)\s*[(<]", path.read_text()))
     return names
+
+
+def test_every_crate_is_searched():
+    crates = {d.relative_to(ROOT).as_posix() for d in crate_dirs()}
+    assert {"libs/pg_wal", "libs/pq_proto", "libs/sk_core", "safekeeper", "walproposer"} <= crates
+    assert all((ROOT / c / "Cargo.toml").exists() for c in crates)
 
 
 def test_the_contract_names_nine_promises():
