@@ -7,12 +7,12 @@
 //! PostgreSQL WAL from the generator, each record stamped with its term in `xl_xid`.
 //!
 //! Two storage backends:
-//! - `Mem`: the in-memory fakes of `storage::mem` (a power loss drops un-synced WAL writes;
-//!   control-file persists are atomic and durable). Fast: thousands of seeds.
-//! - `SimFs`: the real file stores (`storage::wal_file`, `storage::control_file`) on the
-//!   simulated file system `storage::fs::SimFs`, whose power loss also forgets directory
-//!   entries (new segments, renames of the control file) that no directory fsync made durable,
-//!   and keeps a random prefix of each file's and directory's un-synced operations. This is
+//! - `Mem`: the in-memory fakes of `sk_core::storage::mem` (a power loss drops un-synced WAL
+//!   writes; control-file persists are atomic and durable). Fast: thousands of seeds.
+//! - `SimFs`: the real file stores (`safekeeper::wal_store`, `safekeeper::control_file`) on the
+//!   simulated file system `sk_core::storage::fs::SimFs`, whose power loss also forgets
+//!   directory entries (new segments, renames of the control file) that no directory fsync made
+//!   durable, and keeps a random prefix of each file's and directory's un-synced operations. This is
 //!   the variant that catches a missing directory fsync.
 //!
 //! After every step the TLA+ invariants of neon's `ProposerAcceptorStatic.tla` are checked:
