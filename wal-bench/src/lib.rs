@@ -1,7 +1,7 @@
 //! Helpers shared by the `wal-bench` Criterion benchmarks (the benches live in `benches/`; see
 //! `README.md` for how to run, filter, profile and compare them).
 //!
-//! - [`criterion`]: the Criterion configuration every bench uses (short defaults for a 2-core
+//! - [`criterion()`]: the Criterion configuration every bench uses (short defaults for a 2-core
 //!   machine, pprof flamegraphs under `--profile-time`);
 //! - [`Env`]: a real timeline (control file + WAL segments) in a temp dir on the disk under
 //!   test, elected at term 1 through `process_msg` ([`election`]), with a WAL generator
