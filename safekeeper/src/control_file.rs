@@ -11,6 +11,12 @@
 //! rename it over `safekeeper.control`, fsync the directory. A crash leaves the old or the new
 //! state, never a mix.
 //!
+//! The encoding lives here, with the store, not in `sk_core`: it is the on-disk format of this
+//! one file, versioned and read only by this store, and the consensus core never sees bytes (it
+//! hands a [`TimelinePersistentState`] to [`ControlStore::persist`]). Kept together, a format
+//! change and the code that writes, fsyncs and verifies it change in one place; the core stays
+//! free of file formats, as its in-memory fake shows (it persists the struct itself).
+//!
 //! Not here: when to persist (the consensus core decides), in-memory overlays of LSNs, and
 //! timeline directory creation.
 
