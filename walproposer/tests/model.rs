@@ -1327,7 +1327,7 @@ fn run_seed<B: Backend>(seed: u64, steps: usize, trace: bool) -> Stats {
             eprintln!(
                 "model test ({backend}) failed for seed {seed} ({steps} steps); replay with \
                  MODEL_BACKEND={backend} MODEL_SEED={seed} MODEL_STEPS={steps} MODEL_TRACE=1 \
-                 cargo test -p safekeeper --test model model_replay_one_seed -- --nocapture",
+                 cargo test -p walproposer --test model model_replay_one_seed -- --nocapture",
                 backend = B::NAME,
             );
             std::panic::resume_unwind(e)
