@@ -1,117 +1,114 @@
 //! The proposer side of neon's protocol: elect this proposer over N safekeepers, recover the
 //! newest WAL from the donor, and stream WAL to every safekeeper, committing on a quorum.
 //!
-//! Steps (neon's walproposer, `reference/neon-safekeeper.md` §1):
-//! 1. greet every safekeeper; with a quorum of greetings, take term = max(seen) + 1;
-//! 2. ask for votes; with a quorum, the **donor** is the voter with the highest
-//!    `(last_log_term, flush_lsn)`; the term starts at the donor's `flush_lsn`; the proposer's
-//!    history is the donor's plus `(term, start)`;
-//! 3. fetch the WAL other safekeepers lack from the donor (`START_REPLICATION … (term='N')`);
-//! 4. send each safekeeper `elected` with its own `start_streaming_at` (the highest common point
-//!    of the two histories), then stream appends, pipelined;
-//! 5. commit: the highest LSN a quorum has flushed, counting no safekeeper whose flush is below
-//!    the term start (an earlier term's WAL is never committed on its own: Raft's figure 8).
+//! The consensus rules (term and donor choice, start points, the commit rule) live in the
+//! sans-IO [`consensus::ProposerCore`]; this module is its tokio driver and keeps only sockets,
+//! reconnection with backoff, timeouts and fetching WAL over the network:
+//! - one task per safekeeper connects (`START_WAL_PUSH`), reports the connection, feeds every
+//!   reply to the core, and writes what the core queued for it; when the connection breaks it
+//!   reports that and reconnects with backoff;
+//! - a ticker gives the core its heartbeat tick every second and logs, every few seconds, why
+//!   the commit LSN is stalled if it is;
+//! - [`consensus::Action::Fetch`] runs `START_REPLICATION … (term='N')` on a task of its own.
 //!
-//! A safekeeper that fails is reconnected with backoff and caught up from the proposer's buffer;
-//! a higher term seen anywhere makes the proposer step down with [`ProposerError::SteppedDown`].
+//! Callers use [`Proposer`]: [`Proposer::elect`], then [`Proposer::push`] WAL and watch
+//! [`Progress`]; a higher term seen anywhere makes the proposer step down
+//! ([`ProposerError::SteppedDown`]).
 
 pub mod conn;
+pub mod consensus;
 pub mod fetch;
 pub mod postgres;
 pub mod synthetic;
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 
-use conn::{ConnError, PushReader, PushWriter, SafekeeperAddr, connect_push};
+use conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
+use consensus::{Action, ConnId, CoreConfig, Event, ProposerCore, PushError, SkId};
 use pg_wal::decoder::WalStreamDecoder;
 use pg_wal::format::page_header_size;
-use sk_core::protocol::{
-    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, MAX_SEND_SIZE,
-    ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
-};
-use sk_core::state::Configuration;
-use sk_core::types::{Generation, Lsn, TenantTimelineId, Term, TermHistory, TermLsn};
+use sk_core::protocol::ProposerAcceptorMessage;
+use sk_core::types::{Lsn, TenantTimelineId, Term, TermHistory};
 
-/// WAL sent to one safekeeper beyond what it acknowledged.
-const MAX_IN_FLIGHT: u64 = 16 << 20;
+pub use sk_core::protocol::MAX_SEND_SIZE;
+
 /// How long an election waits for a quorum.
 const ELECTION_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Period of the core's tick (heartbeats to idle safekeepers).
+const TICK: Duration = Duration::from_secs(1);
+/// After this long without a commit while WAL waits, the proposer says why.
+const STALL_REPORT: Duration = Duration::from_secs(5);
 
 /// What the proposer needs to know.
 #[derive(Clone, Debug)]
 pub struct ProposerConfig {
-    /// The safekeepers to elect this proposer and to stream to.
     pub safekeepers: Vec<SafekeeperAddr>,
-    /// The timeline written.
     pub ttid: TenantTimelineId,
-    /// PostgreSQL system identifier of the WAL.
     pub system_id: u64,
-    /// PostgreSQL version of the WAL's server.
     pub pg_version: u32,
-    /// WAL segment size in bytes.
     pub wal_seg_size: u32,
     /// Where WAL begins if every safekeeper is empty (a record boundary).
     pub start_lsn: Lsn,
-    /// Whether the greeting may create the timeline on a safekeeper that lacks it.
     pub allow_timeline_creation: bool,
 }
 
 impl ProposerConfig {
-    /// How many safekeepers make a majority.
     pub fn quorum(&self) -> usize {
         self.safekeepers.len() / 2 + 1
+    }
+
+    fn core_config(&self) -> CoreConfig {
+        CoreConfig::new(
+            self.safekeepers.len(),
+            self.ttid,
+            self.system_id,
+            self.pg_version,
+            self.wal_seg_size,
+            self.start_lsn,
+        )
     }
 }
 
 /// Why the proposer stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ProposerError {
-    /// Too few safekeepers answered within the election timeout.
-    #[error("no quorum: {got} of {need} safekeepers answered ({details})")]
+    #[error("no quorum: {got} of {need} safekeepers voted for us within {timeout:?} ({details})")]
     NoQuorum {
-        /// Answers received.
         got: usize,
-        /// Answers needed.
         need: usize,
-        /// Why the others did not answer.
+        timeout: Duration,
         details: String,
     },
-    /// A safekeeper has seen a higher term: another proposer took over.
     #[error("stepped down: a safekeeper is at term {seen}, above ours ({ours})")]
-    SteppedDown {
-        /// Our term.
-        ours: Term,
-        /// The higher term seen.
-        seen: Term,
-    },
-    /// The donor's WAL could not be fetched.
-    #[error("recovering WAL from the donor: {0}")]
+    SteppedDown { ours: Term, seen: Term },
+    #[error("recovering WAL: {0}")]
     Recovery(String),
-    /// WAL pushed somewhere else than at the current end.
     #[error("WAL must continue at {expected}, got {got}")]
-    Discontinuous {
-        /// The current end.
-        expected: Lsn,
-        /// Where the WAL was pushed.
-        got: Lsn,
-    },
+    Discontinuous { expected: Lsn, got: Lsn },
 }
 
 /// What the proposer publishes as it runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
+    /// Set once elected.
+    pub elected: bool,
     /// End of WAL in the proposer's buffer.
     pub end_lsn: Lsn,
     /// Highest LSN flushed on a quorum in this term.
     pub commit_lsn: Lsn,
     /// Set once the proposer stepped down (and stops streaming).
     pub stepped_down: Option<Term>,
+    /// Set when the election failed (recovering the donor's WAL did not work).
+    pub failed: bool,
     /// Safekeepers whose *persisted* commit LSN reached the term start (sync mode waits for a
     /// quorum of them).
     pub synced: usize,
@@ -119,320 +116,268 @@ pub struct Progress {
     pub finishing: bool,
 }
 
-/// WAL kept in memory: `[start, start + bytes.len())`, trimmed below what every safekeeper has
-/// acknowledged.
-struct WalBuffer {
-    start: Lsn,
-    bytes: VecDeque<u8>,
+/// What a safekeeper's task is to do next on its connection.
+enum Out {
+    Msg(ConnId, ProposerAcceptorMessage),
+    Close(ConnId, String),
 }
 
-impl WalBuffer {
-    fn end(&self) -> Lsn {
-        Lsn(self.start.0 + self.bytes.len() as u64)
-    }
-
-    /// Copies `[from, from + max)` (bounded by the end) into `out`; false if `from` was trimmed.
-    fn read(&self, from: Lsn, max: usize, out: &mut Vec<u8>) -> bool {
-        if from < self.start {
-            return false;
-        }
-        let off = (from.0 - self.start.0) as usize;
-        let n = max.min(self.bytes.len().saturating_sub(off));
-        out.clear();
-        let (a, b) = self.bytes.as_slices();
-        if off < a.len() {
-            let from_a = n.min(a.len() - off);
-            out.extend_from_slice(&a[off..off + from_a]);
-            out.extend_from_slice(&b[..n - from_a]);
-        } else {
-            out.extend_from_slice(&b[off - a.len()..off - a.len() + n]);
-        }
-        true
-    }
-
-    fn trim_to(&mut self, lsn: Lsn) {
-        if lsn > self.start {
-            let n = ((lsn.0 - self.start.0) as usize).min(self.bytes.len());
-            self.bytes.drain(..n);
-            self.start = Lsn(self.start.0 + n as u64);
-        }
-    }
+/// The core and what the driver keeps beside it, under one lock.
+struct State {
+    core: ProposerCore,
+    /// Per safekeeper: what its task must write (or do) next.
+    out: Vec<VecDeque<Out>>,
+    /// Per safekeeper: why its last connection failed or ended.
+    errors: Vec<Option<String>>,
+    next_conn: ConnId,
+    /// Why the election failed, if it did.
+    failure: Option<String>,
+    /// The higher term that made the core step down.
+    stepped_down: Option<Term>,
 }
 
 struct Shared {
     cfg: ProposerConfig,
-    term: Term,
-    term_start: Lsn,
-    history: TermHistory,
-    wal: Mutex<WalBuffer>,
-    /// Last acknowledged flush LSN of each safekeeper.
-    flush: Mutex<Vec<Lsn>>,
-    /// Last persisted commit LSN each safekeeper reported.
-    sk_commit: Mutex<Vec<Lsn>>,
+    state: Mutex<State>,
     progress: watch::Sender<Progress>,
+    /// Per safekeeper: "something was queued for you".
+    wake: Vec<Notify>,
+    stop: CancellationToken,
 }
 
 impl Shared {
-    /// Recomputes the commit LSN from the safekeepers' flush LSNs and trims the buffer.
-    fn update_commit(&self) {
-        let flush = self.flush.lock().expect("flush lock").clone();
-        let commit = commit_lsn(&flush, self.cfg.quorum(), self.term_start);
-        let min_flush = flush.iter().copied().min().unwrap_or(Lsn::INVALID);
-        self.wal
-            .lock()
-            .expect("wal lock")
-            .trim_to(min_flush.min(commit));
-        self.progress.send_if_modified(|p| {
-            if commit > p.commit_lsn {
-                p.commit_lsn = commit;
-                true
-            } else {
-                false
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("proposer state lock")
+    }
+
+    /// Feeds `event` to the core and carries out what it asks.
+    fn step(self: &Arc<Self>, event: Event) {
+        let mut st = self.lock();
+        st.core.step(event);
+        self.dispatch(&mut st);
+    }
+
+    /// Routes the core's queued actions to the safekeeper tasks, fetches and [`Progress`].
+    fn dispatch(self: &Arc<Self>, st: &mut State) {
+        let actions = st.core.take_actions();
+        for action in actions {
+            match action {
+                Action::Send { sk, conn, msg } => {
+                    st.out[sk].push_back(Out::Msg(conn, msg));
+                    self.wake[sk].notify_one();
+                }
+                Action::Close { sk, conn, reason } => {
+                    tracing::warn!(safekeeper = %self.cfg.safekeepers[sk], "closing: {reason}");
+                    st.out[sk].push_back(Out::Close(conn, reason));
+                    self.wake[sk].notify_one();
+                }
+                Action::Fetch { sk, term, from, to } => self.spawn_fetch(sk, term, from, to),
+                Action::Elected {
+                    term, term_start, ..
+                } => {
+                    tracing::info!(%term, %term_start, donor = ?st.core.donor(), "elected");
+                }
+                Action::SteppedDown { seen } => {
+                    tracing::warn!(ours = %st.core.term(), %seen, "stepping down: a safekeeper is at a higher term");
+                    st.stepped_down = Some(seen);
+                }
+                Action::Commit(_) => {}
+                Action::ElectionFailed { reason } => {
+                    tracing::error!("election failed: {reason}");
+                    st.failure = Some(reason);
+                }
             }
+        }
+        let core = &st.core;
+        let failed = st.failure.is_some();
+        let stepped_down = st.stepped_down;
+        self.progress.send_if_modified(|p| {
+            let next = Progress {
+                elected: matches!(
+                    core.phase(),
+                    consensus::Phase::Elected | consensus::Phase::Stopped
+                ) && core.term_start().is_valid()
+                    && !failed,
+                end_lsn: core.end_lsn(),
+                commit_lsn: core.commit_lsn(),
+                stepped_down,
+                failed,
+                synced: core.synced(),
+                finishing: p.finishing,
+            };
+            let changed = next != *p;
+            *p = next;
+            changed
         });
     }
 
-    fn truncate_lsn(&self) -> Lsn {
-        let flush = self.flush.lock().expect("flush lock");
-        let min = flush.iter().copied().min().unwrap_or(Lsn::INVALID);
-        min.min(self.progress.borrow().commit_lsn)
-    }
-
-    fn step_down(&self, seen: Term) {
-        self.progress.send_modify(|p| p.stepped_down = Some(seen));
+    fn spawn_fetch(self: &Arc<Self>, sk: SkId, term: Term, from: Lsn, to: Lsn) {
+        let shared = self.clone();
+        let addr = self.cfg.safekeepers[sk].clone();
+        let ttid = self.cfg.ttid;
+        tokio::spawn(async move {
+            tracing::info!(safekeeper = %addr, %from, %to, "fetching WAL");
+            let event = match fetch::fetch_wal(&addr, ttid, term, from, to).await {
+                Ok(wal) => Event::Fetched {
+                    from,
+                    wal: Bytes::from(wal),
+                },
+                Err(e) => Event::FetchFailed {
+                    reason: format!("from {addr}: {e}"),
+                },
+            };
+            shared.step(event);
+        });
     }
 }
 
-/// The commit rule: the LSN flushed on a quorum, counting only flushes at or above the term
-/// start (WAL of earlier terms is committed only together with the new term's).
-pub fn commit_lsn(flush: &[Lsn], quorum: usize, term_start: Lsn) -> Lsn {
-    let mut v: Vec<Lsn> = flush
-        .iter()
-        .map(|&f| if f < term_start { Lsn::INVALID } else { f })
-        .collect();
-    v.sort();
-    if quorum == 0 || quorum > v.len() {
-        return Lsn::INVALID;
-    }
-    v[v.len() - quorum]
-}
-
-/// An elected proposer streaming to its safekeepers.
+/// A proposer: elected over its safekeepers, streaming to them.
 pub struct Proposer {
     shared: Arc<Shared>,
+    /// One task per safekeeper.
     tasks: JoinSet<()>,
-}
-
-/// A safekeeper's answer to the vote, with its connection.
-struct Voter {
-    idx: usize,
-    reader: PushReader,
-    writer: PushWriter,
-    vote: VoteResponse,
+    ticker: tokio::task::JoinHandle<()>,
+    term: Term,
+    term_start: Lsn,
+    history: TermHistory,
 }
 
 impl Proposer {
-    /// Runs an election over the configured safekeepers and starts streaming to them.
+    /// Connects to the configured safekeepers and runs an election. Fails with
+    /// [`ProposerError::NoQuorum`] if no quorum votes for us within 10 s, with
+    /// [`ProposerError::SteppedDown`] if a safekeeper is at a higher term.
     pub async fn elect(cfg: ProposerConfig) -> Result<Proposer, ProposerError> {
         let n = cfg.safekeepers.len();
-        let quorum = cfg.quorum();
-        // 1. Greetings.
-        let mut greeted = Vec::new();
-        let mut failures = Vec::new();
-        let mut connecting = JoinSet::new();
-        for (idx, addr) in cfg.safekeepers.iter().enumerate() {
-            let (addr, cfg) = (addr.clone(), cfg.clone());
-            connecting.spawn(async move {
-                let r = tokio::time::timeout(ELECTION_TIMEOUT, greet(&addr, &cfg)).await;
-                (idx, addr, r)
-            });
-        }
-        while let Some(res) = connecting.join_next().await {
-            let Ok((idx, addr, r)) = res else { continue };
-            match r {
-                Ok(Ok((reader, writer, term))) => greeted.push((idx, reader, writer, term)),
-                Ok(Err(e)) => failures.push(format!("{addr}: {e}")),
-                Err(_) => failures.push(format!("{addr}: timed out")),
-            }
-        }
-        if greeted.len() < quorum {
-            return Err(ProposerError::NoQuorum {
-                got: greeted.len(),
-                need: quorum,
-                details: failures.join("; "),
-            });
-        }
-        let term = Term(greeted.iter().map(|g| g.3.0).max().unwrap_or(0) + 1);
-
-        // 2. Votes.
-        let mut voters = Vec::new();
-        let mut voting = JoinSet::new();
-        for (idx, mut reader, mut writer, _) in greeted {
-            voting.spawn(async move {
-                let r = async {
-                    writer
-                        .send(&ProposerAcceptorMessage::VoteRequest(VoteRequest {
-                            generation: Generation::INVALID,
-                            term,
-                        }))
-                        .await?;
-                    match reader.recv().await? {
-                        AcceptorProposerMessage::VoteResponse(v) => Ok(v),
-                        other => Err(ConnError::Unexpected(format!("{other:?}"))),
-                    }
-                };
-                let r = tokio::time::timeout(ELECTION_TIMEOUT, r).await;
-                (idx, reader, writer, r)
-            });
-        }
-        let mut higher = None;
-        while let Some(res) = voting.join_next().await {
-            let Ok((idx, reader, writer, r)) = res else {
-                continue;
-            };
-            match r {
-                Ok(Ok(vote)) if vote.vote_given => voters.push(Voter {
-                    idx,
-                    reader,
-                    writer,
-                    vote,
-                }),
-                Ok(Ok(vote)) => {
-                    if vote.term > term {
-                        higher = Some(vote.term);
-                    }
-                    failures.push(format!(
-                        "safekeeper {idx} refused the vote (term {})",
-                        vote.term
-                    ));
-                }
-                Ok(Err(e)) => failures.push(format!("safekeeper {idx}: {e}")),
-                Err(_) => failures.push(format!("safekeeper {idx}: vote timed out")),
-            }
-        }
-        if voters.len() < quorum {
-            if let Some(seen) = higher {
-                return Err(ProposerError::SteppedDown { ours: term, seen });
-            }
-            return Err(ProposerError::NoQuorum {
-                got: voters.len(),
-                need: quorum,
-                details: failures.join("; "),
-            });
-        }
-
-        // 3. The donor and the new history.
-        let donor = voters
-            .iter()
-            .max_by_key(|v| (v.vote.term_history.last_log_term(), v.vote.flush_lsn))
-            .expect("a quorum is not empty");
-        let donor_flush = donor.vote.flush_lsn;
-        let (term_start, mut history) = if donor_flush.is_valid() {
-            (donor_flush, donor.vote.term_history.clone())
-        } else {
-            (cfg.start_lsn, TermHistory::empty())
-        };
-        history.0.push(TermLsn {
-            term,
-            lsn: term_start,
-        });
-        let starts: Vec<Lsn> = voters
-            .iter()
-            .map(|v| start_streaming_at(&history, &v.vote))
-            .collect::<Result<_, _>>()?;
-        let buffer_start = starts.iter().copied().min().unwrap_or(term_start);
-        let recovered = if buffer_start < term_start {
-            let addr = &cfg.safekeepers[donor.idx];
-            fetch::fetch_wal(addr, cfg.ttid, term, buffer_start, term_start)
-                .await
-                .map_err(|e| ProposerError::Recovery(format!("from {addr}: {e}")))?
-        } else {
-            Vec::new()
-        };
-        tracing::info!(%term, %term_start, donor = donor.idx, recovered = recovered.len(), "elected");
-
         let (progress, _) = watch::channel(Progress {
-            end_lsn: term_start,
+            elected: false,
+            end_lsn: cfg.start_lsn,
             commit_lsn: Lsn::INVALID,
             stepped_down: None,
+            failed: false,
             synced: 0,
             finishing: false,
         });
         let shared = Arc::new(Shared {
-            term,
-            term_start,
-            history: history.clone(),
-            wal: Mutex::new(WalBuffer {
-                start: buffer_start,
-                bytes: recovered.into(),
+            state: Mutex::new(State {
+                core: ProposerCore::new(cfg.core_config()),
+                out: (0..n).map(|_| VecDeque::new()).collect(),
+                errors: vec![None; n],
+                next_conn: 1,
+                failure: None,
+                stepped_down: None,
             }),
-            flush: Mutex::new(vec![Lsn::INVALID; n]),
-            sk_commit: Mutex::new(vec![Lsn::INVALID; n]),
             progress,
+            wake: (0..n).map(|_| Notify::new()).collect(),
+            stop: CancellationToken::new(),
             cfg,
         });
-
-        // 4. Elected, then streaming, one task per safekeeper.
         let mut tasks = JoinSet::new();
-        let mut connected = vec![false; n];
-        for (voter, start) in voters.into_iter().zip(starts) {
-            connected[voter.idx] = true;
-            let shared = shared.clone();
-            tasks.spawn(async move {
-                run_safekeeper(shared, voter.idx, Some((voter.reader, voter.writer, start))).await
-            });
+        for sk in 0..n {
+            tasks.spawn(run_safekeeper(shared.clone(), sk));
         }
-        for (idx, up) in connected.into_iter().enumerate() {
-            if !up {
-                let shared = shared.clone();
-                tasks.spawn(async move { run_safekeeper(shared, idx, None).await });
+        let ticker = tokio::spawn(run_ticker(shared.clone()));
+        let mut proposer = Proposer {
+            shared,
+            tasks,
+            ticker,
+            term: Term(0),
+            term_start: Lsn::INVALID,
+            history: TermHistory::empty(),
+        };
+        let elected = tokio::time::timeout(
+            ELECTION_TIMEOUT,
+            proposer.wait_for(|p| p.elected || p.failed),
+        )
+        .await;
+        let outcome = match elected {
+            Ok(Ok(p)) if p.failed => Err(ProposerError::Recovery(
+                proposer.shared.lock().failure.clone().unwrap_or_default(),
+            )),
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                let st = proposer.shared.lock();
+                let errors: Vec<String> = st
+                    .errors
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, e)| {
+                        e.as_ref()
+                            .map(|e| format!("{}: {e}", proposer.shared.cfg.safekeepers[i]))
+                    })
+                    .collect();
+                Err(ProposerError::NoQuorum {
+                    got: st.core.votes_granted(),
+                    need: proposer.shared.cfg.quorum(),
+                    timeout: ELECTION_TIMEOUT,
+                    details: format!("{}; {}", st.core.describe(), errors.join("; ")),
+                })
             }
+        };
+        if let Err(e) = outcome {
+            proposer.shutdown().await;
+            return Err(e);
         }
-        Ok(Proposer { shared, tasks })
+        {
+            let st = proposer.shared.lock();
+            proposer.term = st.core.term();
+            proposer.term_start = st.core.term_start();
+            proposer.history = st.core.history().clone();
+        }
+        Ok(proposer)
     }
 
-    /// The term this proposer was elected in.
     pub fn term(&self) -> Term {
-        self.shared.term
+        self.term
     }
 
     /// Where this term's WAL begins (the donor's flush LSN).
     pub fn term_start_lsn(&self) -> Lsn {
-        self.shared.term_start
+        self.term_start
     }
 
-    /// The proposer's term history (the donor's plus this term).
     pub fn history(&self) -> &TermHistory {
-        &self.shared.history
+        &self.history
     }
 
-    /// The latest progress.
+    /// WAL segment size of the timeline.
+    pub fn wal_seg_size(&self) -> u32 {
+        self.shared.cfg.wal_seg_size
+    }
+
+    /// PostgreSQL system identifier of the timeline.
+    pub fn system_id(&self) -> u64 {
+        self.shared.cfg.system_id
+    }
+
     pub fn progress(&self) -> Progress {
         *self.shared.progress.borrow()
     }
 
-    /// A receiver that wakes on every change of the progress.
     pub fn subscribe(&self) -> watch::Receiver<Progress> {
         self.shared.progress.subscribe()
     }
 
     /// Appends new WAL at `lsn` (which must be the current end) for streaming.
-    pub fn push(&self, lsn: Lsn, wal: &[u8]) -> Result<(), ProposerError> {
-        let mut buf = self.shared.wal.lock().expect("wal lock");
-        if lsn != buf.end() {
-            return Err(ProposerError::Discontinuous {
-                expected: buf.end(),
-                got: lsn,
-            });
+    pub fn push(&self, lsn: Lsn, wal: Bytes) -> Result<(), ProposerError> {
+        let mut st = self.shared.lock();
+        match st.core.push(lsn, wal) {
+            Ok(()) => {}
+            Err(PushError::Discontinuous { expected, got }) => {
+                return Err(ProposerError::Discontinuous { expected, got });
+            }
+            Err(PushError::NotElected) => {
+                return Err(ProposerError::SteppedDown {
+                    ours: self.term,
+                    seen: self.progress().stepped_down.unwrap_or(self.term),
+                });
+            }
         }
-        buf.bytes.extend(wal);
-        let end = buf.end();
-        drop(buf);
-        self.shared.progress.send_modify(|p| p.end_lsn = end);
+        self.shared.dispatch(&mut st);
         Ok(())
     }
 
-    /// Waits until `lsn` is committed on a quorum. Cancellation-safe.
+    /// Waits until the commit LSN reaches `lsn`. Cancellation-safe.
     pub async fn wait_commit(&self, lsn: Lsn) -> Result<Lsn, ProposerError> {
         self.wait_for(|p| p.commit_lsn >= lsn)
             .await
@@ -442,7 +387,7 @@ impl Proposer {
     /// Sync mode: waits until the term start is committed and a quorum of safekeepers persisted
     /// a commit LSN at or above it. Returns the LSN (the end of WAL after the election).
     pub async fn sync(&self) -> Result<Lsn, ProposerError> {
-        let start = self.shared.term_start;
+        let start = self.term_start;
         let quorum = self.shared.cfg.quorum();
         self.wait_for(|p| p.commit_lsn >= start && p.synced >= quorum)
             .await?;
@@ -455,14 +400,14 @@ impl Proposer {
         let mut rx = self.subscribe();
         loop {
             let p = *rx.borrow_and_update();
-            if let Some(seen) = p.stepped_down {
-                return Err(ProposerError::SteppedDown {
-                    ours: self.shared.term,
-                    seen,
-                });
-            }
             if done(&p) {
                 return Ok(p);
+            }
+            if let Some(seen) = p.stepped_down {
+                return Err(ProposerError::SteppedDown {
+                    ours: self.shared.lock().core.term(),
+                    seen,
+                });
             }
             if rx.changed().await.is_err() {
                 return Err(ProposerError::Recovery("proposer stopped".into()));
@@ -470,44 +415,55 @@ impl Proposer {
         }
     }
 
+    /// Copies buffered WAL `[from, to)`; `None` if it is not all in memory.
+    fn read_buffered(&self, from: Lsn, to: Lsn) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        self.shared
+            .lock()
+            .core
+            .read_buffered(from, to, &mut out)
+            .then_some(out)
+    }
+
     /// The start of the last record before the term start, for a WAL source that must continue
-    /// the `xl_prev` chain (the synthetic generator). Reads the tail from the buffer or the
-    /// donor's history entries; `Lsn(0)` if there is no earlier WAL.
+    /// the `xl_prev` chain (the synthetic generator). Reads the tail from the buffer or from the
+    /// safekeepers; `Lsn(0)` if there is no earlier WAL.
     pub async fn prev_record_start(&self) -> Result<Lsn, ProposerError> {
-        let end = self.shared.term_start;
+        let end = self.term_start;
         // Record boundaries we know below the end: earlier term starts and the truncate LSN.
-        let mut candidates: Vec<Lsn> = self.shared.history.0.iter().map(|e| e.lsn).collect();
-        candidates.push(self.shared.truncate_lsn());
-        let Some(from) = candidates
-            .into_iter()
+        let truncate = self.shared.lock().core.truncate_lsn();
+        let Some(from) = self
+            .history
+            .0
+            .iter()
+            .map(|e| e.lsn)
+            .chain([truncate])
             .filter(|&l| l.is_valid() && l < end)
             .max()
         else {
             return Ok(Lsn(0));
         };
-        let mut tail = Vec::new();
-        let have = self.shared.wal.lock().expect("wal lock").read(
-            from,
-            (end.0 - from.0) as usize,
-            &mut tail,
-        ) && tail.len() as u64 == end.0 - from.0;
-        if !have {
-            let mut last_err = String::from("no safekeeper to read from");
-            tail.clear();
-            for addr in &self.shared.cfg.safekeepers {
-                match fetch::fetch_wal(addr, self.shared.cfg.ttid, self.shared.term, from, end)
-                    .await
-                {
-                    Ok(t) => {
-                        tail = t;
-                        break;
+        let tail = match self.read_buffered(from, end) {
+            Some(t) => t,
+            None => {
+                let mut last_err = String::from("no safekeeper to read from");
+                let mut got = None;
+                for addr in &self.shared.cfg.safekeepers {
+                    match fetch::fetch_wal(addr, self.shared.cfg.ttid, self.term, from, end).await {
+                        Ok(t) => {
+                            got = Some(t);
+                            break;
+                        }
+                        Err(e) => last_err = format!("{addr}: {e}"),
                     }
-                    Err(e) => last_err = format!("{addr}: {e}"),
                 }
+                got.ok_or(ProposerError::Recovery(last_err))?
             }
-            if tail.len() as u64 != end.0 - from.0 {
-                return Err(ProposerError::Recovery(last_err));
-            }
+        };
+        if tail.len() as u64 != end.0 - from.0 {
+            return Err(ProposerError::Recovery(format!(
+                "WAL [{from}, {end}) is incomplete"
+            )));
         }
         let seg = self.shared.cfg.wal_seg_size as u64;
         let mut dec = WalStreamDecoder::new(from, seg);
@@ -536,273 +492,179 @@ impl Proposer {
     /// commit LSN before its stream is closed. Waits at most `timeout`, then stops anyway.
     pub async fn finish(mut self, timeout: Duration) {
         self.shared.progress.send_modify(|p| p.finishing = true);
+        for w in &self.shared.wake {
+            w.notify_one();
+        }
+        let shared = self.shared.clone();
         let all = async { while self.tasks.join_next().await.is_some() {} };
         if tokio::time::timeout(timeout, all).await.is_err() {
-            tracing::warn!("some safekeepers did not finish within {timeout:?}");
+            tracing::warn!(
+                "some safekeepers did not finish within {timeout:?}: {}",
+                shared.lock().core.describe()
+            );
         }
         self.shutdown().await;
     }
 
     /// Stops streaming at once.
     pub async fn shutdown(mut self) {
+        self.shared.stop.cancel();
         self.tasks.abort_all();
+        self.ticker.abort();
         while self.tasks.join_next().await.is_some() {}
     }
 }
 
-async fn greet(
-    addr: &SafekeeperAddr,
-    cfg: &ProposerConfig,
-) -> Result<(PushReader, PushWriter, Term), ConnError> {
-    let (mut reader, mut writer) =
-        connect_push(addr, cfg.ttid, cfg.allow_timeline_creation, "walproposer").await?;
-    writer
-        .send(&ProposerAcceptorMessage::Greeting(ProposerGreeting {
-            tenant_id: cfg.ttid.tenant_id,
-            timeline_id: cfg.ttid.timeline_id,
-            mconf: Configuration::default(),
-            pg_version: cfg.pg_version,
-            system_id: cfg.system_id,
-            wal_seg_size: cfg.wal_seg_size,
-        }))
-        .await?;
-    match reader.recv().await? {
-        AcceptorProposerMessage::Greeting(g) => Ok((reader, writer, g.term)),
-        other => Err(ConnError::Unexpected(format!("{other:?}"))),
-    }
-}
-
-/// Where a safekeeper must start receiving: the highest common point of the histories, or the
-/// proposer's first entry if they share none.
-fn start_streaming_at(history: &TermHistory, vote: &VoteResponse) -> Result<Lsn, ProposerError> {
-    let hcp = TermHistory::find_highest_common_point(history, &vote.term_history, vote.flush_lsn)
-        .map_err(|e| ProposerError::Recovery(e.to_string()))?;
-    Ok(match hcp {
-        Some(p) => p.lsn,
-        None => history.0.first().map(|e| e.lsn).unwrap_or(Lsn::INVALID),
-    })
-}
-
-/// Streams to safekeeper `idx` for the life of the proposer, reconnecting with backoff.
-async fn run_safekeeper(
-    shared: Arc<Shared>,
-    idx: usize,
-    mut conn: Option<(PushReader, PushWriter, Lsn)>,
-) {
-    let addr = shared.cfg.safekeepers[idx].clone();
+/// Streams to safekeeper `sk` for the life of the proposer, reconnecting with backoff.
+async fn run_safekeeper(shared: Arc<Shared>, sk: SkId) {
+    let addr = shared.cfg.safekeepers[sk].clone();
     let mut backoff = Duration::from_millis(100);
     loop {
         let p = *shared.progress.borrow();
-        if p.stepped_down.is_some() || (p.finishing && conn.is_none()) {
+        if shared.stop.is_cancelled() || p.stepped_down.is_some() || p.failed || p.finishing {
             return;
         }
-        let established = match conn.take() {
-            Some(c) => Ok(c),
-            None => reconnect(&shared, &addr).await,
-        };
-        let connected_at = std::time::Instant::now();
-        let result = match established {
-            Ok((reader, mut writer, start)) => {
-                let elected = ProposerAcceptorMessage::Elected(ProposerElected {
-                    generation: Generation::INVALID,
-                    term: shared.term,
-                    start_streaming_at: start,
-                    term_history: shared.history.clone(),
-                });
-                match writer.send(&elected).await {
-                    Ok(()) => stream_to(&shared, idx, reader, writer, start).await,
-                    Err(e) => Err(e.to_string()),
-                }
+        let connect = connect_push(
+            &addr,
+            shared.cfg.ttid,
+            shared.cfg.allow_timeline_creation,
+            "walproposer",
+        );
+        let connected_at = Instant::now();
+        let result = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+            Ok(Ok((reader, writer))) => {
+                let conn = {
+                    let mut st = shared.lock();
+                    let id = st.next_conn;
+                    st.next_conn += 1;
+                    st.out[sk].clear();
+                    id
+                };
+                shared.step(Event::Connected { sk, conn });
+                let r = serve(&shared, sk, conn, reader, writer).await;
+                shared.step(Event::Disconnected { sk, conn });
+                r
             }
-            Err(e) => Err(e),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("connecting timed out after {CONNECT_TIMEOUT:?}")),
         };
         match result {
-            Ok(()) => return,
+            Ok(Done::Finished) => return,
+            Ok(Done::Stopped) => return,
             Err(e) => {
                 // A stream that worked for a while starts the backoff over; one that fails at
-                // once (a refused append, a safekeeper that keeps rejecting us) backs off more.
+                // once (refused, rejected by the safekeeper) backs off more.
                 if connected_at.elapsed() > Duration::from_secs(10) {
                     backoff = Duration::from_millis(100);
                 }
                 tracing::warn!(safekeeper = %addr, "streaming failed: {e}; reconnecting in {backoff:?}");
-                tokio::time::sleep(backoff).await;
+                shared.lock().errors[sk] = Some(e);
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shared.stop.cancelled() => return,
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }
         }
     }
 }
 
-/// Reconnects after an election: greeting and vote in our term (a safekeeper at our term
-/// already voted for us or follows us), then the highest common point.
-async fn reconnect(
-    shared: &Shared,
-    addr: &SafekeeperAddr,
-) -> Result<(PushReader, PushWriter, Lsn), String> {
-    let (mut reader, mut writer, sk_term) =
-        greet(addr, &shared.cfg).await.map_err(|e| e.to_string())?;
-    if sk_term > shared.term {
-        shared.step_down(sk_term);
-        return Err(format!("safekeeper is at term {sk_term}"));
-    }
-    writer
-        .send(&ProposerAcceptorMessage::VoteRequest(VoteRequest {
-            generation: Generation::INVALID,
-            term: shared.term,
-        }))
-        .await
-        .map_err(|e| e.to_string())?;
-    let vote = match reader.recv().await.map_err(|e| e.to_string())? {
-        AcceptorProposerMessage::VoteResponse(v) => v,
-        other => return Err(format!("unexpected reply {other:?}")),
-    };
-    if vote.term > shared.term {
-        shared.step_down(vote.term);
-        return Err(format!("safekeeper is at term {}", vote.term));
-    }
-    let start = start_streaming_at(&shared.history, &vote).map_err(|e| e.to_string())?;
-    Ok((reader, writer, start))
+/// How a connection ended without an error.
+enum Done {
+    /// Everything was sent and the stream closed gracefully ([`Proposer::finish`]).
+    Finished,
+    /// The proposer stopped.
+    Stopped,
 }
 
-/// Sends WAL from `next` on and processes acknowledgements until an error.
-async fn stream_to(
-    shared: &Shared,
-    idx: usize,
+/// Runs one connection: writes what the core queued for it, feeds replies to the core.
+async fn serve(
+    shared: &Arc<Shared>,
+    sk: SkId,
+    conn: ConnId,
     mut reader: PushReader,
     mut writer: PushWriter,
-    mut next: Lsn,
-) -> Result<(), String> {
-    let mut progress = shared.progress.subscribe();
-    // What the safekeeper holds of our WAL: at least the common point it starts from.
-    let mut acked = {
-        let mut flush = shared.flush.lock().expect("flush lock");
-        flush[idx] = flush[idx].max(next);
-        flush[idx]
-    };
-    shared.update_commit();
-    let mut sent_commit = Lsn::INVALID;
-    let mut chunk = Vec::with_capacity(MAX_SEND_SIZE);
+) -> Result<Done, String> {
+    let mut batch = Vec::new();
     loop {
-        let p = *progress.borrow_and_update();
-        if let Some(seen) = p.stepped_down {
-            return Err(format!("stepped down (term {seen} seen)"));
-        }
-        // Send what there is, up to the in-flight window.
-        while next < p.end_lsn && next.0.saturating_sub(acked.0) < MAX_IN_FLIGHT {
-            let ok = shared
-                .wal
-                .lock()
-                .expect("wal lock")
-                .read(next, MAX_SEND_SIZE, &mut chunk);
-            if !ok {
-                return Err(format!("WAL at {next} is no longer buffered"));
+        let (close, finish) = {
+            let mut st = shared.lock();
+            let mut close = None;
+            while let Some(out) = st.out[sk].pop_front() {
+                match out {
+                    Out::Msg(c, msg) if c == conn => batch.push(msg),
+                    Out::Close(c, reason) if c == conn => {
+                        close = Some(reason);
+                        break;
+                    }
+                    _ => {} // for a connection that is gone
+                }
             }
-            if chunk.is_empty() {
-                break;
-            }
-            let commit = p.commit_lsn;
-            let msg = append(shared, next, Bytes::copy_from_slice(&chunk), commit);
+            let p = *shared.progress.borrow();
+            (close, p.finishing && st.core.caught_up(sk))
+        };
+        for msg in batch.drain(..) {
             writer.queue(&msg).map_err(|e| e.to_string())?;
-            sent_commit = commit;
-            next = Lsn(next.0 + chunk.len() as u64);
-            if writer.buffered() > 1 << 20 {
-                writer.flush().await.map_err(|e| e.to_string())?;
-            }
-        }
-        if next >= p.end_lsn && p.commit_lsn > sent_commit {
-            // Nothing new to send: tell the safekeeper the commit LSN with an empty append.
-            let msg = append(shared, next, Bytes::new(), p.commit_lsn);
-            writer.queue(&msg).map_err(|e| e.to_string())?;
-            sent_commit = p.commit_lsn;
         }
         writer.flush().await.map_err(|e| e.to_string())?;
-        if p.finishing && next >= p.end_lsn && sent_commit >= p.commit_lsn {
+        if let Some(reason) = close {
+            return Err(reason);
+        }
+        if finish {
             // Everything sent, the commit LSN included: end the stream and let the safekeeper
             // process what is queued (it flushes on disconnect) before it closes its side.
             writer.finish().await.map_err(|e| e.to_string())?;
-            while reader.recv().await.is_ok() {}
-            return Ok(());
-        }
-
-        tokio::select! {
-            reply = reader.recv() => match reply.map_err(|e| e.to_string())? {
-                AcceptorProposerMessage::AppendResponse(r) => {
-                    if r.term > shared.term {
-                        shared.step_down(r.term);
-                        return Err(format!("safekeeper is at term {}", r.term));
-                    }
-                    let synced = {
-                        let mut c = shared.sk_commit.lock().expect("commit lock");
-                        c[idx] = c[idx].max(r.commit_lsn);
-                        c.iter().filter(|&&l| l >= shared.term_start && l.is_valid()).count()
-                    };
-                    shared.progress.send_if_modified(|p| {
-                        let changed = p.synced != synced;
-                        p.synced = synced;
-                        changed
-                    });
-                    if r.flush_lsn > acked {
-                        acked = r.flush_lsn;
-                        shared.flush.lock().expect("flush lock")[idx] = acked;
-                        shared.update_commit();
-                    }
-                }
-                other => return Err(format!("unexpected reply {other:?}")),
-            },
-            changed = progress.changed() => {
-                if changed.is_err() {
-                    return Ok(());
-                }
+            while let Ok(msg) = reader.recv().await {
+                shared.step(Event::Received { sk, conn, msg });
             }
+            return Ok(Done::Finished);
+        }
+        tokio::select! {
+            // Cancellation-safe (PushReader::recv).
+            reply = reader.recv() => {
+                let msg = reply.map_err(|e| e.to_string())?;
+                shared.step(Event::Received { sk, conn, msg });
+            }
+            _ = shared.wake[sk].notified() => {}
+            _ = shared.stop.cancelled() => return Ok(Done::Stopped),
+        }
+        let p = *shared.progress.borrow();
+        if p.stepped_down.is_some() || p.failed {
+            return Ok(Done::Stopped);
         }
     }
 }
 
-fn append(shared: &Shared, begin: Lsn, data: Bytes, commit: Lsn) -> ProposerAcceptorMessage {
-    ProposerAcceptorMessage::AppendRequest(AppendRequest {
-        h: AppendRequestHeader {
-            generation: Generation::INVALID,
-            term: shared.term,
-            begin_lsn: begin,
-            end_lsn: Lsn(begin.0 + data.len() as u64),
-            commit_lsn: commit,
-            truncate_lsn: shared.truncate_lsn(),
-        },
-        wal_data: data,
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn commit_is_the_quorum_flush_at_or_above_term_start() {
-        let l = |v: &[u64]| v.iter().map(|&x| Lsn(x)).collect::<Vec<_>>();
-        assert_eq!(commit_lsn(&l(&[30, 10, 20]), 2, Lsn(0)), Lsn(20));
-        assert_eq!(commit_lsn(&l(&[30, 10, 20]), 3, Lsn(0)), Lsn(10));
-        // A safekeeper below the term start does not count: with 2 of 3 needed and only one at
-        // or above the start, nothing of the new term is committed yet.
-        assert_eq!(commit_lsn(&l(&[30, 10, 15]), 2, Lsn(20)), Lsn(0));
-        assert_eq!(commit_lsn(&l(&[30, 25, 15]), 2, Lsn(20)), Lsn(25));
-        assert_eq!(commit_lsn(&l(&[5]), 1, Lsn(0)), Lsn(5));
-        assert_eq!(commit_lsn(&l(&[]), 1, Lsn(0)), Lsn(0));
-    }
-
-    #[test]
-    fn wal_buffer_reads_across_its_ring_and_trims() {
-        let mut b = WalBuffer {
-            start: Lsn(100),
-            bytes: VecDeque::with_capacity(4),
-        };
-        b.bytes.extend([1, 2, 3, 4]);
-        b.trim_to(Lsn(102));
-        b.bytes.extend([5, 6]);
-        let mut out = Vec::new();
-        assert!(b.read(Lsn(102), 10, &mut out));
-        assert_eq!(out, vec![3, 4, 5, 6]);
-        assert!(b.read(Lsn(105), 10, &mut out));
-        assert_eq!(out, vec![6]);
-        assert!(!b.read(Lsn(101), 10, &mut out));
-        assert_eq!(b.end(), Lsn(106));
+/// Ticks the core, and says why the commit LSN does not move when WAL is waiting.
+async fn run_ticker(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_commit = Lsn::INVALID;
+    let mut since = Instant::now();
+    let mut reported = Instant::now();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shared.stop.cancelled() => return,
+        }
+        shared.step(Event::Tick);
+        let p = *shared.progress.borrow();
+        if p.commit_lsn != last_commit || p.end_lsn <= p.commit_lsn || !p.elected {
+            last_commit = p.commit_lsn;
+            since = Instant::now();
+            continue;
+        }
+        if since.elapsed() >= STALL_REPORT && reported.elapsed() >= STALL_REPORT {
+            reported = Instant::now();
+            let st = shared.lock();
+            tracing::warn!(
+                commit = %p.commit_lsn,
+                end = %p.end_lsn,
+                "commit stalled for {:?}: a quorum of {} has not acknowledged; {}",
+                since.elapsed(),
+                shared.cfg.quorum(),
+                st.core.describe()
+            );
+        }
     }
 }

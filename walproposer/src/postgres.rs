@@ -562,7 +562,7 @@ impl Primary {
                                     got: wal_start,
                                 });
                             }
-                            if let Err(e) = proposer.push(wal_start, &data) {
+                            if let Err(e) = proposer.push(wal_start, data.clone()) {
                                 break Err(e.into());
                             }
                             stats.received_lsn = Lsn(wal_start.0 + data.len() as u64);

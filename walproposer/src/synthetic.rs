@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use serde::Serialize;
 
 use super::{Proposer, ProposerError};
@@ -68,8 +69,8 @@ pub struct Stats {
 pub async fn run(proposer: &Proposer, opts: &SyntheticOptions) -> Result<Stats, ProposerError> {
     let start = proposer.term_start_lsn();
     let prev = proposer.prev_record_start().await?;
-    let seg = proposer.shared.cfg.wal_seg_size as u64;
-    let sysid = proposer.shared.cfg.system_id;
+    let seg = proposer.wal_seg_size() as u64;
+    let sysid = proposer.system_id();
     let mut generator = WalGenerator::new(sysid, seg, start)
         .map_err(|e| ProposerError::Recovery(format!("cannot generate WAL at {start}: {e}")))?
         .with_prev(prev);
@@ -103,10 +104,10 @@ pub async fn run(proposer: &Proposer, opts: &SyntheticOptions) -> Result<Stats, 
     let started = Instant::now();
     let mut produced = 0u64;
     let mut records = 0u64;
-    let mut buf = Vec::with_capacity(opts.chunk_bytes + opts.record_size + 8192);
+    let capacity = opts.chunk_bytes + opts.record_size + 8192;
     while produced < opts.total_bytes {
         let at = generator.lsn();
-        buf.clear();
+        let mut buf = Vec::with_capacity(capacity);
         let want = opts
             .chunk_bytes
             .min((opts.total_bytes - produced) as usize)
@@ -117,8 +118,8 @@ pub async fn run(proposer: &Proposer, opts: &SyntheticOptions) -> Result<Stats, 
             .lock()
             .expect("pending lock")
             .push_back((end, Instant::now()));
-        proposer.push(at, &buf)?;
         produced += buf.len() as u64;
+        proposer.push(at, Bytes::from(buf))?;
         if let Some(rate) = opts.rate {
             let due = started + Duration::from_secs_f64(produced as f64 / rate as f64);
             tokio::time::sleep_until(due.into()).await;

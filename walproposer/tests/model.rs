@@ -1,10 +1,14 @@
-//! Seeded model test of the consensus core: a deterministic in-memory cluster of 3 acceptors
-//! (the real `SafeKeeper`) and 2 competing proposers (a small but faithful model of
-//! walproposer), with random message interleaving, connection drops, acceptor power losses
-//! (everything un-synced lost, the acceptor rebuilt from durable state only), proposer crashes,
-//! and stale connections (an acceptor still reading messages a proposer sent on a connection it
-//! has already given up on). Every message goes through the real codec, and the WAL is real
-//! PostgreSQL WAL from the generator, each record stamped with its term in `xl_xid`.
+//! Seeded model test of the consensus: a deterministic cluster of 3 acceptors (the real
+//! `SafeKeeper`) and 2 competing, restarting proposers (the real sans-IO proposer core,
+//! `proposer::consensus::ProposerCore`, the same code the walproposer runs; the harness plays
+//! its driver: connections, fetches, timeouts). Schedules interleave messages at random and
+//! inject connection drops (also right after an acceptor processed `elected`, before any
+//! append), duplicated and reordered replies, failed fetches, acceptor power losses (everything
+//! un-synced lost, the acceptor rebuilt from durable state only), proposer crashes and campaign
+//! timeouts, and stale connections (an acceptor still reading messages a proposer sent on a
+//! connection it has already given up on). Every message goes through the real codec, and the
+//! WAL is real PostgreSQL WAL from the generator, each record stamped with its term in
+//! `xl_xid`.
 //!
 //! Two storage backends:
 //! - `Mem`: the in-memory fakes of `sk_core::storage::mem` (a power loss drops un-synced WAL
@@ -19,7 +23,10 @@
 //! election safety (one proposer elected per term), log monotonicity (each acceptor's WAL is
 //! written by non-decreasing terms, matching its term history), log safety (acceptors agree on
 //! committed bytes), and durability of commits (bytes a proposer saw committed stay present and
-//! identical on a quorum's durable WAL).
+//! identical on a quorum's durable WAL). Commit safety is judged from what each proposer
+//! *announces* (`Action::Commit`: what its commit LSN, the `--ack-log` and a relayed primary's
+//! flush feedback are made of): no two different bytes are ever announced committed at the same
+//! LSN, and an elected proposer's WAL holds everything committed in earlier terms.
 //!
 //! Knobs: `MODEL_SEEDS=n` runs `n` seeds per test (defaults: `Mem` 3000 of 400 steps and 20 of
 //! 3000 steps; `SimFs` 400 of 400 steps and 6 of 3000 steps) from `MODEL_SEED_START` (default
@@ -39,16 +46,14 @@ use pg_wal::format::page_header_size;
 use pg_wal::{WalGenerator, WalStreamDecoder};
 use safekeeper::control_file::FileControlStore;
 use safekeeper::wal_store::{WalFileOptions, WalFileStore};
-use sk_core::protocol::{
-    AcceptorGreeting, AcceptorProposerMessage, AppendRequest, AppendRequestHeader,
-    ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
-};
+use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
 use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
 use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
 use sk_core::storage::fs::{FileSystem, Fs, SimFs};
 use sk_core::storage::mem::{MemControlStore, MemWalStore};
 use sk_core::storage::{ControlStore, WalStore};
-use sk_core::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
+use sk_core::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId};
+use walproposer::consensus::{Action, ConnId, CoreConfig, Event, Phase, ProposerCore};
 
 const N_ACC: usize = 3;
 const N_PROP: usize = 2;
@@ -331,6 +336,25 @@ impl RecordWalker {
     }
 }
 
+/// Length of the longest common prefix of `a` and `b` (memcmp per 4 KiB block: this runs after
+/// every step over the whole WAL).
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i < n {
+        let end = (i + 4096).min(n);
+        if a[i..end] != b[i..end] {
+            return i + a[i..end]
+                .iter()
+                .zip(&b[i..end])
+                .take_while(|(x, y)| x == y)
+                .count();
+        }
+        i = end;
+    }
+    n
+}
+
 /// The term of the record at `start` of `wal` (WAL beginning at `wal_start`): stamped in its
 /// `xl_xid`.
 fn record_term(wal: &[u8], wal_start: Lsn, start: Lsn) -> Term {
@@ -362,78 +386,57 @@ fn encode_ap(msg: &AcceptorProposerMessage) -> Bytes {
 #[derive(Default)]
 struct Conn {
     up: bool,
+    /// The core's id of this connection (a new one per connection).
+    id: ConnId,
     to_acc: VecDeque<Bytes>,
     to_prop: VecDeque<Bytes>,
     /// Acceptor side: no-flush appends processed since the last FlushWAL (neon's `dirty`).
     dirty: bool,
 }
 
-/// A proposer's view of one acceptor; reset when the connection goes down.
-#[derive(Default, Clone)]
-struct AccView {
-    greeting: Option<AcceptorGreeting>,
-    vote: Option<VoteResponse>,
-    elected_sent: bool,
-    /// Next LSN to stream to this acceptor.
-    next_lsn: Lsn,
-    /// Highest flush_lsn this acceptor reported in our term.
-    flush_lsn: Lsn,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Phase {
-    Idle,
-    Greeting,
-    Voting,
-    Elected,
-}
-
-struct Proposer {
+/// A proposer process: the real [`ProposerCore`] and what the harness knows about its WAL.
+struct ModelProposer {
     /// Bumped on every restart; (id, incarnation) identifies who was elected.
     incarnation: u64,
-    phase: Phase,
-    term: Term,
-    views: Vec<AccView>,
-    history: TermHistory,
-    term_start: Lsn,
-    /// Where the timeline's WAL begins.
-    start: Lsn,
-    /// WAL bytes `[start, start + log.len())`. Invariant (checked): every byte below `commit`
-    /// is globally committed.
-    log: Vec<u8>,
-    /// End of every record of `log`, ascending (appends are cut at record boundaries).
+    /// `None` while the process is down or idle.
+    core: Option<ProposerCore>,
+    /// The proposer's WAL `[B::START, B::START + log.len())`, known from the moment the core
+    /// chose its donor: the donor's WAL as its granted vote described it, then what was pushed.
+    /// Every commit the core announces is judged against these bytes.
+    log: Option<Vec<u8>>,
+    /// End of every record of `log`, ascending.
     rec_ends: Vec<Lsn>,
     /// Generates this term's records, continuing the `xl_prev` chain of `log`.
     wal_gen: Option<WalGenerator>,
+    /// Highest commit LSN the core announced.
     commit: Lsn,
-    truncate_lsn: Lsn,
 }
 
-impl Proposer {
-    fn new(start: Lsn) -> Proposer {
-        Proposer {
-            start,
+impl ModelProposer {
+    fn new() -> ModelProposer {
+        ModelProposer {
             incarnation: 0,
-            phase: Phase::Idle,
-            term: Term(0),
-            views: vec![AccView::default(); N_ACC],
-            history: TermHistory::empty(),
-            term_start: Lsn(0),
-            log: Vec::new(),
+            core: None,
+            log: None,
             rec_ends: Vec::new(),
             wal_gen: None,
             commit: Lsn(0),
-            truncate_lsn: Lsn(0),
         }
     }
 
-    fn log_end(&self) -> Lsn {
-        Lsn(self.start.0 + self.log.len() as u64)
+    fn phase(&self) -> Option<Phase> {
+        self.core.as_ref().map(|c| c.phase())
     }
+}
 
-    fn greetings(&self) -> usize {
-        self.views.iter().filter(|v| v.greeting.is_some()).count()
-    }
+/// A fetch the core asked for, answered by a later step (or failed).
+struct PendingFetch {
+    p: usize,
+    incarnation: u64,
+    sk: usize,
+    term: Term,
+    from: Lsn,
+    to: Lsn,
 }
 
 #[derive(Default, Debug)]
@@ -444,10 +447,44 @@ struct Stats {
     /// Power losses in the middle of a storage call.
     crash_points: u64,
     drops: u64,
+    /// Connections dropped right after the acceptor processed `elected`.
+    drops_after_elected: u64,
+    /// Replies duplicated or reordered on a connection.
+    replies_duplicated: u64,
+    replies_reordered: u64,
+    fetches: u64,
+    fetch_failures: u64,
     committed_bytes: u64,
     stale_delivered: u64,
     acceptor_errors: BTreeMap<String, u64>,
+    closes: BTreeMap<String, u64>,
     backend: BTreeMap<&'static str, u64>,
+}
+
+impl Stats {
+    fn add(&mut self, s: Stats) {
+        self.elections += s.elections;
+        self.commits_observed += s.commits_observed;
+        self.power_losses += s.power_losses;
+        self.crash_points += s.crash_points;
+        self.drops += s.drops;
+        self.drops_after_elected += s.drops_after_elected;
+        self.replies_duplicated += s.replies_duplicated;
+        self.replies_reordered += s.replies_reordered;
+        self.fetches += s.fetches;
+        self.fetch_failures += s.fetch_failures;
+        self.committed_bytes += s.committed_bytes;
+        self.stale_delivered += s.stale_delivered;
+        for (k, v) in s.acceptor_errors {
+            *self.acceptor_errors.entry(k).or_default() += v;
+        }
+        for (k, v) in s.closes {
+            *self.closes.entry(k).or_default() += v;
+        }
+        for (k, v) in s.backend {
+            *self.backend.entry(k).or_default() += v;
+        }
+    }
 }
 
 struct Cluster<B: Backend> {
@@ -455,18 +492,23 @@ struct Cluster<B: Backend> {
     trace: bool,
     backend: B,
     acceptors: Vec<Option<Sk<B>>>,
-    proposers: Vec<Proposer>,
+    proposers: Vec<ModelProposer>,
     /// `conns[p][a]`.
     conns: Vec<Vec<Conn>>,
+    next_conn_id: ConnId,
     /// Queues of dropped connections that the acceptor may still read: the proposer gave up on
     /// the socket, but bytes it had sent sit in the acceptor's receive buffer. `(p, a, queue)`;
     /// replies go nowhere.
     zombies: Vec<(usize, usize, VecDeque<Bytes>)>,
+    fetches: Vec<PendingFetch>,
+    /// Per proposer and acceptor: the acceptor's durable WAL `[B::START, flush)` when it granted
+    /// the proposer's current incarnation its vote (what that vote's flush LSN describes).
+    vote_wal: Vec<Vec<Option<Vec<u8>>>>,
     /// term → (proposer, incarnation) elected in it.
     elected: BTreeMap<Term, (usize, u64)>,
-    /// The longest committed prefix any proposer observed: bytes `[B::START, B::START + len)`.
+    /// The longest committed prefix any proposer announced: bytes `[B::START, B::START + len)`.
     committed: Vec<u8>,
-    /// Highest commit LSN observed by the proposer of each term.
+    /// Highest commit LSN announced by the proposer of each term.
     commit_by_term: BTreeMap<Term, Lsn>,
     /// Per acceptor: highest term, persisted commit seen so far (monotonicity across reboots).
     acc_term_seen: Vec<Term>,
@@ -480,6 +522,8 @@ struct Cluster<B: Backend> {
     fault_rate: f64,
     /// Per acceptor: how far its durable WAL's terms were checked.
     log_check: Vec<Option<LogCheck>>,
+    /// A directed scenario drives the steps itself: no random faults or batching in delivery.
+    scripted: bool,
     stats: Stats,
 }
 
@@ -490,6 +534,25 @@ struct LogCheck {
     /// Positioned after `bytes`.
     walker: RecordWalker,
     last_term: Term,
+}
+
+fn core_config<B: Backend>() -> CoreConfig {
+    let mut cfg = CoreConfig::new(
+        N_ACC,
+        TenantTimelineId {
+            tenant_id: tenant(),
+            timeline_id: timeline(),
+        },
+        SYSTEM_ID,
+        150000,
+        B::SEG,
+        B::START,
+    );
+    // Small enough that some schedules trim the buffer and catch lagging acceptors up by a
+    // fetch.
+    cfg.max_retained_committed = 64 << 10;
+    cfg.max_in_flight = 256 << 10;
+    cfg
 }
 
 impl<B: Backend> Cluster<B> {
@@ -503,11 +566,14 @@ impl<B: Backend> Cluster<B> {
             trace,
             acceptors: (0..N_ACC).map(|a| Some(backend.new_acceptor(a))).collect(),
             backend,
-            proposers: (0..N_PROP).map(|_| Proposer::new(B::START)).collect(),
+            proposers: (0..N_PROP).map(|_| ModelProposer::new()).collect(),
             conns: (0..N_PROP)
                 .map(|_| (0..N_ACC).map(|_| Conn::default()).collect())
                 .collect(),
+            next_conn_id: 1,
             zombies: Vec::new(),
+            fetches: Vec::new(),
+            vote_wal: vec![vec![None; N_ACC]; N_PROP],
             elected: BTreeMap::new(),
             committed: Vec::new(),
             commit_by_term: BTreeMap::new(),
@@ -516,6 +582,7 @@ impl<B: Backend> Cluster<B> {
             acc_flush_revealed: vec![Lsn(0); N_ACC],
             acc_commit_revealed: vec![Lsn(0); N_ACC],
             log_check: (0..N_ACC).map(|_| None).collect(),
+            scripted: false,
             stats: Stats::default(),
         }
     }
@@ -540,20 +607,13 @@ impl<B: Backend> Cluster<B> {
 
     // ----- connections -------------------------------------------------------------------
 
-    fn send(&mut self, p: usize, a: usize, msg: ProposerAcceptorMessage) {
-        let conn = &mut self.conns[p][a];
-        if conn.up {
-            conn.to_acc.push_back(encode_pa(&msg));
-        }
-    }
-
-    /// Connection lost: in-flight messages are gone, the proposer forgets its view.
+    /// Connection lost: in-flight messages are gone, the proposer's core is told.
     fn drop_conn(&mut self, p: usize, a: usize, why: &str) {
         let conn = &mut self.conns[p][a];
         if !conn.up {
             return;
         }
-        let dirty = conn.dirty;
+        let (dirty, id) = (conn.dirty, conn.id);
         let in_flight = std::mem::take(&mut conn.to_acc);
         *conn = Conn::default();
         let acceptor_closed =
@@ -561,7 +621,6 @@ impl<B: Backend> Cluster<B> {
         if !acceptor_closed && !in_flight.is_empty() && self.rng.random_bool(0.3) {
             self.zombies.push((p, a, in_flight));
         }
-        self.proposers[p].views[a] = AccView::default();
         self.stats.drops += 1;
         self.log(|| format!("drop p{p}-a{a}: {why}"));
         // neon's WalAcceptor flushes on disconnect, unless the process is dying.
@@ -570,20 +629,23 @@ impl<B: Backend> Cluster<B> {
                 .sk_mut(a)
                 .process_msg(&ProposerAcceptorMessage::FlushWAL);
         }
+        self.step_core(p, Event::Disconnected { sk: a, conn: id });
     }
 
+    /// The proposer's driver opens a connection to `a`.
     fn connect(&mut self, p: usize, a: usize) {
+        if self.proposers[p].core.is_none() {
+            return;
+        }
         self.drop_conn(p, a, "reconnect");
-        self.conns[p][a].up = true;
-        let greeting = ProposerGreeting {
-            tenant_id: tenant(),
-            timeline_id: timeline(),
-            mconf: Configuration::default(),
-            pg_version: 150000,
-            system_id: SYSTEM_ID,
-            wal_seg_size: B::SEG,
+        let id = self.next_conn_id;
+        self.next_conn_id += 1;
+        self.conns[p][a] = Conn {
+            up: true,
+            id,
+            ..Conn::default()
         };
-        self.send(p, a, ProposerAcceptorMessage::Greeting(greeting));
+        self.step_core(p, Event::Connected { sk: a, conn: id });
     }
 
     // ----- acceptor side ------------------------------------------------------------------
@@ -595,7 +657,9 @@ impl<B: Backend> Cluster<B> {
         let msg = ProposerAcceptorMessage::decode(&frame).expect("proposer frames decode");
         // The WAL receiver turns appends into no-flush appends and syncs when idle.
         let msg = match msg {
-            ProposerAcceptorMessage::AppendRequest(r) if self.rng.random_bool(0.6) => {
+            ProposerAcceptorMessage::AppendRequest(r)
+                if !self.scripted && self.rng.random_bool(0.6) =>
+            {
                 self.conns[p][a].dirty = true;
                 ProposerAcceptorMessage::NoFlushAppendRequest(r)
             }
@@ -629,11 +693,28 @@ impl<B: Backend> Cluster<B> {
         }
         if let Ok(Some(reply)) = &result {
             self.note_revealed(a, reply);
+            if let AcceptorProposerMessage::VoteResponse(v) = reply
+                && v.vote_given
+            {
+                // What this vote's flush LSN describes, should its voter become the donor.
+                let wal = if v.flush_lsn > B::START {
+                    B::read(self.sk(a), B::START, v.flush_lsn).expect("voted WAL is durable")
+                } else {
+                    Vec::new()
+                };
+                self.vote_wal[p][a] = Some(wal);
+            }
         }
+        let elected = matches!(msg, ProposerAcceptorMessage::Elected(_));
         match result {
             Ok(Some(reply)) => {
                 self.log(|| format!("a{a} -> p{p}: {reply:?}"));
                 self.conns[p][a].to_prop.push_back(encode_ap(&reply));
+            }
+            Ok(None) if elected && !self.scripted && self.rng.random_bool(0.1) => {
+                // The connection breaks after `elected` and before any append got through.
+                self.stats.drops_after_elected += 1;
+                self.drop_conn(p, a, "network, right after elected");
             }
             Ok(None) => {}
             Err(e) => {
@@ -742,29 +823,95 @@ impl<B: Backend> Cluster<B> {
 
     // ----- proposer side ------------------------------------------------------------------
 
+    // ----- proposer side ------------------------------------------------------------------
+
+    /// Feeds `event` to proposer `p`'s core (if it runs) and carries out its actions.
+    fn step_core(&mut self, p: usize, event: Event) {
+        let Some(core) = self.proposers[p].core.as_mut() else {
+            return;
+        };
+        let phase_before = core.phase();
+        core.step(event);
+        self.after_core(p, phase_before);
+    }
+
+    /// Carries out what proposer `p`'s core queued.
+    fn after_core(&mut self, p: usize, phase_before: Phase) {
+        let Some(core) = self.proposers[p].core.as_mut() else {
+            return;
+        };
+        let phase = core.phase();
+        let actions = core.take_actions();
+        if phase_before == Phase::Voting && matches!(phase, Phase::Recovering | Phase::Elected) {
+            self.on_donor_chosen(p);
+        }
+        for action in actions {
+            match action {
+                Action::Send { sk, conn, msg } => {
+                    let c = &mut self.conns[p][sk];
+                    if c.up && c.id == conn {
+                        c.to_acc.push_back(encode_pa(&msg));
+                    }
+                }
+                Action::Close { sk, conn, reason } => {
+                    let kind = reason.split([':', '(']).next().unwrap_or("").to_string();
+                    *self.stats.closes.entry(kind).or_default() += 1;
+                    if self.conns[p][sk].id == conn {
+                        self.drop_conn(p, sk, &format!("proposer closes: {reason}"));
+                    }
+                }
+                Action::Fetch { sk, term, from, to } => {
+                    self.log(|| format!("p{p} fetches [{from}, {to}) from a{sk} in term {term}"));
+                    let incarnation = self.proposers[p].incarnation;
+                    self.fetches.push(PendingFetch {
+                        p,
+                        incarnation,
+                        sk,
+                        term,
+                        from,
+                        to,
+                    });
+                }
+                Action::Elected {
+                    term, term_start, ..
+                } => self.on_elected(p, term, term_start),
+                Action::Commit(lsn) => self.on_commit(p, lsn),
+                Action::SteppedDown { seen } => {
+                    self.stop_proposer(p, &format!("stepped down: term {seen} seen"));
+                    return;
+                }
+                Action::ElectionFailed { reason } => {
+                    self.stop_proposer(p, &format!("election failed: {reason}"));
+                    return;
+                }
+            }
+        }
+    }
+
     fn start_campaign(&mut self, p: usize) {
-        self.proposers[p].phase = Phase::Greeting;
-        self.proposers[p].views = vec![AccView::default(); N_ACC];
+        let prop = &mut self.proposers[p];
+        prop.core = Some(ProposerCore::new(core_config::<B>()));
+        prop.log = None;
+        prop.rec_ends.clear();
+        prop.wal_gen = None;
+        prop.commit = Lsn(0);
+        self.vote_wal[p] = vec![None; N_ACC];
         self.log(|| format!("p{p} starts a campaign"));
         for a in 0..N_ACC {
             self.connect(p, a);
         }
     }
 
-    /// Superseded by a higher term (or crashed): disconnect and wait.
-    fn step_down(&mut self, p: usize, why: &str) {
-        self.log(|| format!("p{p} steps down: {why}"));
-        self.proposers[p].phase = Phase::Idle;
+    /// The process stops (stepped down, election failed or timed out, crashed): connections
+    /// close, a new incarnation may campaign later.
+    fn stop_proposer(&mut self, p: usize, why: &str) {
+        self.log(|| format!("p{p} stops: {why}"));
         for a in 0..N_ACC {
-            self.drop_conn(p, a, "proposer stepped down");
+            self.drop_conn(p, a, "proposer stopped");
         }
-    }
-
-    fn crash_proposer(&mut self, p: usize) {
-        self.step_down(p, "crash");
-        let inc = self.proposers[p].incarnation + 1;
-        self.proposers[p] = Proposer::new(B::START);
-        self.proposers[p].incarnation = inc;
+        let prop = &mut self.proposers[p];
+        prop.core = None;
+        prop.incarnation += 1;
     }
 
     fn deliver_to_proposer(&mut self, p: usize, a: usize) {
@@ -772,160 +919,39 @@ impl<B: Backend> Cluster<B> {
             return;
         };
         let msg = AcceptorProposerMessage::decode(&frame).expect("acceptor frames decode");
-        match msg {
-            AcceptorProposerMessage::Greeting(g) => self.on_greeting(p, a, g),
-            AcceptorProposerMessage::VoteResponse(v) => self.on_vote(p, a, v),
-            AcceptorProposerMessage::AppendResponse(r) => {
-                let prop = &mut self.proposers[p];
-                if r.term > prop.term {
-                    self.step_down(p, &format!("a{a} is in term {}", r.term));
-                    return;
-                }
-                if prop.phase != Phase::Elected || !prop.views[a].elected_sent {
-                    return;
-                }
-                prop.views[a].flush_lsn = prop.views[a].flush_lsn.max(r.flush_lsn);
-                self.update_commit(p);
-            }
-        }
+        let conn = self.conns[p][a].id;
+        self.step_core(p, Event::Received { sk: a, conn, msg });
     }
 
-    fn on_greeting(&mut self, p: usize, a: usize, g: AcceptorGreeting) {
-        let prop = &mut self.proposers[p];
-        prop.views[a].greeting = Some(g);
-        match prop.phase {
-            Phase::Idle => {}
-            Phase::Greeting => {
-                if prop.greetings() >= QUORUM {
-                    let max = prop
-                        .views
-                        .iter()
-                        .filter_map(|v| v.greeting.as_ref().map(|g| g.term))
-                        .max()
-                        .expect("a quorum of greetings");
-                    prop.term = Term(max.0.max(prop.term.0) + 1);
-                    prop.phase = Phase::Voting;
-                    let term = prop.term;
-                    self.log(|| format!("p{p} campaigns for term {term}"));
-                    for a in 0..N_ACC {
-                        if self.proposers[p].views[a].greeting.is_some() {
-                            self.send_vote_request(p, a);
-                        }
-                    }
-                }
-            }
-            Phase::Voting | Phase::Elected => self.send_vote_request(p, a),
-        }
-    }
-
-    fn send_vote_request(&mut self, p: usize, a: usize) {
-        let term = self.proposers[p].term;
-        self.send(
-            p,
-            a,
-            ProposerAcceptorMessage::VoteRequest(VoteRequest {
-                generation: Generation(0),
-                term,
-            }),
+    /// The core chose its donor: the proposer's WAL below the term start is the donor's WAL as
+    /// its vote described it.
+    fn on_donor_chosen(&mut self, p: usize) {
+        let core = self.proposers[p].core.as_ref().expect("running");
+        let donor = core.donor().expect("chosen");
+        let term_start = core.term_start();
+        let wal = self.vote_wal[p][donor]
+            .clone()
+            .expect("the donor's granted vote was recorded");
+        assert_eq!(
+            Lsn(B::START.0 + wal.len() as u64).max(B::START),
+            term_start.max(B::START),
+            "p{p}: the term starts at the donor's flush LSN"
         );
+        self.proposers[p].log = Some(wal);
     }
 
-    fn on_vote(&mut self, p: usize, a: usize, v: VoteResponse) {
-        let prop = &mut self.proposers[p];
-        if v.term > prop.term {
-            self.step_down(p, &format!("a{a} refused: it is in term {}", v.term));
-            return;
-        }
-        prop.views[a].vote = Some(v);
-        match prop.phase {
-            Phase::Voting => {
-                let votes = prop
-                    .views
-                    .iter()
-                    .filter(|w| w.vote.as_ref().is_some_and(|v| v.vote_given))
-                    .count();
-                if votes >= QUORUM {
-                    self.become_elected(p);
-                }
-            }
-            Phase::Elected => self.send_elected(p, a),
-            Phase::Idle | Phase::Greeting => {}
-        }
-    }
-
-    fn become_elected(&mut self, p: usize) {
-        let prop = &self.proposers[p];
-        let term = prop.term;
-        // Donor: the voter with the highest (last_log_term, flush_lsn).
-        let (donor, dv) = prop
-            .views
-            .iter()
-            .enumerate()
-            .filter_map(|(a, w)| w.vote.as_ref().filter(|v| v.vote_given).map(|v| (a, v)))
-            .max_by_key(|(_, v)| (v.term_history.last_log_term(), v.flush_lsn))
-            .expect("a quorum of votes");
-        let dv = dv.clone();
-        let truncate_lsn = prop
-            .views
-            .iter()
-            .filter_map(|w| w.vote.as_ref().map(|v| v.truncate_lsn))
-            .max()
-            .unwrap_or(Lsn(0));
-        // Fetch the donor's WAL up to its reported flush (recovery with a term check: the
-        // donor's WAL must still be what it voted with).
-        let d = self.sk(donor);
-        if d.term() != term || d.get_term_history().up_to(dv.flush_lsn) != dv.term_history {
-            self.step_down(p, &format!("donor a{donor} changed before recovery"));
-            return;
-        }
-        let log = if dv.flush_lsn > B::START {
-            match B::read(d, B::START, dv.flush_lsn) {
-                Some(bytes) => bytes,
-                None => {
-                    self.step_down(p, &format!("donor a{donor} lost WAL before recovery"));
-                    return;
-                }
-            }
-        } else {
-            Vec::new()
-        };
-        let term_start = Lsn(B::START.0 + log.len() as u64);
-        let mut history = dv.term_history.clone();
-        history.0.push(TermLsn {
-            term,
-            lsn: term_start,
-        });
-        history.validate().expect("proposer history is ordered");
-
+    fn on_elected(&mut self, p: usize, term: Term, term_start: Lsn) {
         let incarnation = self.proposers[p].incarnation;
         if let Some(&(q, inc)) = self.elected.get(&term) {
             panic!("election safety: term {term} elected p{q}#{inc} and now p{p}#{incarnation}");
         }
         self.elected.insert(term, (p, incarnation));
         self.stats.elections += 1;
-        self.log(|| format!("p{p} elected in term {term}, donor a{donor}, start {term_start}"));
-
-        // Continue the donor's xl_prev chain; stamp this term's records with the term.
-        let rec = records(&log, B::START, B::SEG, &format!("donor a{donor}"));
-        let mut wal_gen = WalGenerator::new(SYSTEM_ID, B::SEG as u64, term_start)
-            .expect("a record end is a record boundary")
-            .with_prev(rec.last().map_or(Lsn(0), |r| r.0));
-        wal_gen.set_xid(u32::try_from(term.0).expect("model terms stay small"));
-        let prop = &mut self.proposers[p];
-        prop.phase = Phase::Elected;
-        prop.history = history;
-        prop.term_start = term_start;
-        prop.log = log;
-        prop.rec_ends = rec.iter().map(|r| r.1).collect();
-        prop.wal_gen = Some(wal_gen);
-        prop.commit = Lsn(0);
-        prop.truncate_lsn = truncate_lsn;
-        for v in prop.views.iter_mut() {
-            v.flush_lsn = Lsn(0);
-        }
+        let donor = self.proposers[p].core.as_ref().and_then(|c| c.donor());
+        self.log(|| format!("p{p} elected in term {term}, donor {donor:?}, start {term_start}"));
+        let log = self.proposers[p].log.clone().expect("donor chosen");
         // Leader completeness (Raft): the log of term T's leader holds everything committed in
-        // terms below T. Commits of later terms need not be there: this leader is stale and
-        // cannot commit, since a quorum has moved past its term.
+        // terms below T.
         let required = self
             .commit_by_term
             .range(..term)
@@ -933,160 +959,149 @@ impl<B: Backend> Cluster<B> {
             .max()
             .unwrap_or(Lsn(0));
         let required_len = (required.0.saturating_sub(B::START.0)) as usize;
-        let log = &self.proposers[p].log;
         assert!(
             log.len() >= required_len,
             "elected proposer p{p} in term {term} lacks WAL committed in earlier terms: log ends \
              at {}, committed up to {required}",
-            self.proposers[p].log_end(),
+            Lsn(B::START.0 + log.len() as u64),
         );
         assert_eq!(
             log[..required_len],
             self.committed[..required_len],
             "elected proposer p{p} in term {term} disagrees with WAL committed in earlier terms"
         );
-        for a in 0..N_ACC {
-            if self.proposers[p].views[a].vote.is_some() {
-                self.send_elected(p, a);
-            }
-        }
+        // Continue the donor's xl_prev chain; stamp this term's records with the term.
+        let rec = records(&log, B::START, B::SEG, &format!("p{p}'s donor WAL"));
+        let mut wal_gen = WalGenerator::new(SYSTEM_ID, B::SEG as u64, term_start)
+            .expect("a record end is a record boundary")
+            .with_prev(rec.last().map_or(Lsn(0), |r| r.0));
+        wal_gen.set_xid(u32::try_from(term.0).expect("model terms stay small"));
+        let prop = &mut self.proposers[p];
+        prop.rec_ends = rec.iter().map(|r| r.1).collect();
+        prop.wal_gen = Some(wal_gen);
     }
 
-    fn send_elected(&mut self, p: usize, a: usize) {
-        let prop = &self.proposers[p];
-        let Some(v) = prop.views[a].vote.as_ref() else {
-            return;
-        };
-        let start =
-            TermHistory::find_highest_common_point(&prop.history, &v.term_history, v.flush_lsn)
-                .expect("histories of one cluster are consistent")
-                .map(|tl| tl.lsn)
-                .unwrap_or(prop.history.0[0].lsn);
+    /// Commit safety, judged from what the proposer announces: the bytes below its commit LSN
+    /// agree with everything any proposer ever announced committed.
+    fn on_commit(&mut self, p: usize, commit: Lsn) {
+        let prop = &mut self.proposers[p];
+        assert!(commit > prop.commit, "p{p}: commit LSN went back");
+        prop.commit = commit;
+        let log = prop
+            .log
+            .as_ref()
+            .expect("a committing proposer knows its WAL");
         assert!(
-            start >= B::START && start <= prop.log_end(),
-            "start_streaming_at {start} outside the proposer's log"
+            commit.0 <= B::START.0 + log.len() as u64,
+            "p{p}: commit {commit} beyond its own WAL"
         );
-        let msg = ProposerElected {
-            generation: Generation(0),
-            term: prop.term,
-            start_streaming_at: start,
-            term_history: prop.history.clone(),
-        };
-        self.send(p, a, ProposerAcceptorMessage::Elected(msg));
-        let prop = &mut self.proposers[p];
-        prop.views[a].elected_sent = true;
-        prop.views[a].next_lsn = start;
-        self.stream(p, a);
-    }
-
-    /// Sends everything from the acceptor's next LSN to the end of the log (may be empty: a
-    /// heartbeat carrying the commit LSN), in appends of at most `MAX_SEND_SIZE` bytes cut at
-    /// record boundaries (the in-memory WAL fake needs whole records).
-    fn stream(&mut self, p: usize, a: usize) {
-        loop {
-            let prop = &self.proposers[p];
-            let view = &prop.views[a];
-            if !view.elected_sent || !self.conns[p][a].up {
-                return;
-            }
-            let begin = view.next_lsn;
-            let limit = Lsn(begin.0 + sk_core::protocol::MAX_SEND_SIZE as u64);
-            let end = if prop.log_end() <= limit {
-                prop.log_end()
-            } else {
-                let i = prop.rec_ends.partition_point(|&e| e <= limit);
-                assert!(
-                    i > 0 && prop.rec_ends[i - 1] > begin,
-                    "a record larger than an append"
-                );
-                prop.rec_ends[i - 1]
-            };
-            self.send_append(p, a, begin, end);
-            if end == self.proposers[p].log_end() {
-                return;
-            }
-        }
-    }
-
-    fn send_append(&mut self, p: usize, a: usize, begin: Lsn, end: Lsn) {
-        let prop = &self.proposers[p];
-        let data = Bytes::copy_from_slice(
-            &prop.log[(begin.0 - B::START.0) as usize..(end.0 - B::START.0) as usize],
-        );
-        let msg = AppendRequest {
-            h: AppendRequestHeader {
-                generation: Generation(0),
-                term: prop.term,
-                begin_lsn: begin,
-                end_lsn: end,
-                commit_lsn: prop.commit,
-                truncate_lsn: prop.truncate_lsn,
-            },
-            wal_data: data,
-        };
-        self.proposers[p].views[a].next_lsn = end;
-        self.send(p, a, ProposerAcceptorMessage::AppendRequest(msg));
-    }
-
-    fn append_record(&mut self, p: usize) {
-        let len = B::message_len(&mut self.rng);
-        let mut message = vec![p as u8; len];
-        self.rng.fill(&mut message[..]);
-        let prop = &mut self.proposers[p];
-        let wal_gen = prop
-            .wal_gen
-            .as_mut()
-            .expect("an elected proposer generates WAL");
-        let pos = wal_gen.append_logical_message(&mut prop.log, &message);
-        assert_eq!(pos.end, prop.log_end(), "generator and log agree");
-        prop.rec_ends.push(pos.end);
-        for a in 0..N_ACC {
-            self.stream(p, a);
-        }
-    }
-
-    /// Commit rule: ascending flush LSNs (values below the term start count as nothing), the
-    /// element at index `n - quorum`.
-    fn update_commit(&mut self, p: usize) {
-        let prop = &mut self.proposers[p];
-        let mut flushes: Vec<Lsn> = prop
-            .views
-            .iter()
-            .map(|v| {
-                if v.flush_lsn >= prop.term_start {
-                    v.flush_lsn
-                } else {
-                    Lsn(0)
-                }
-            })
-            .collect();
-        flushes.sort();
-        let candidate = flushes[N_ACC - QUORUM];
-        if candidate <= prop.commit {
-            return;
-        }
-        assert!(candidate <= prop.log_end(), "acceptor flushed past our log");
-        prop.commit = candidate;
-        // Known flush LSNs below the commit bound what peers may still need.
-        prop.truncate_lsn = prop
-            .truncate_lsn
-            .max(flushes[0].min(candidate))
-            .min(candidate);
-        let upto = (candidate.0 - B::START.0) as usize;
-        let term = prop.term;
-        let by_term = self.commit_by_term.entry(term).or_default();
-        *by_term = (*by_term).max(candidate);
-        self.stats.commits_observed += 1;
-        self.log(|| format!("p{p} (term {term}) commits {candidate}"));
-        let log = &self.proposers[p].log;
+        let term = prop.core.as_ref().expect("running").term();
+        let upto = (commit.0 - B::START.0) as usize;
         let common = upto.min(self.committed.len());
         assert_eq!(
             log[..common],
             self.committed[..common],
-            "p{p} committed bytes that disagree with earlier committed WAL"
+            "commit safety: p{p} (term {term}) announced committed bytes below {commit} that \
+             differ from WAL announced committed before"
         );
         if upto > self.committed.len() {
             self.committed = log[..upto].to_vec();
+        }
+        let by_term = self.commit_by_term.entry(term).or_default();
+        *by_term = (*by_term).max(commit);
+        self.stats.commits_observed += 1;
+        self.log(|| format!("p{p} (term {term}) commits {commit}"));
+    }
+
+    fn append_record(&mut self, p: usize) {
+        if self.proposers[p].phase() != Some(Phase::Elected) {
+            return;
+        }
+        let len = B::message_len(&mut self.rng);
+        let mut message = vec![p as u8; len];
+        self.rng.fill(&mut message[..]);
+        let prop = &mut self.proposers[p];
+        let log = prop.log.as_mut().expect("elected");
+        let before = log.len();
+        let pos = prop
+            .wal_gen
+            .as_mut()
+            .expect("an elected proposer generates WAL")
+            .append_logical_message(log, &message);
+        prop.rec_ends.push(pos.end);
+        let at = Lsn(B::START.0 + before as u64);
+        let bytes = Bytes::copy_from_slice(&log[before..]);
+        let core = prop.core.as_mut().expect("elected");
+        core.push(at, bytes)
+            .expect("pushes continue the core's WAL");
+        self.after_core(p, Phase::Elected);
+    }
+
+    /// Answers the oldest fetch of a random proposer: the walsender serves durable WAL while
+    /// the acceptor's term is the requested one.
+    fn deliver_fetch(&mut self, i: usize) {
+        let f = self.fetches.swap_remove(i);
+        if self.proposers[f.p].incarnation != f.incarnation || self.proposers[f.p].core.is_none() {
+            return; // the process that asked is gone
+        }
+        self.stats.fetches += 1;
+        let network_error = !self.scripted && self.rng.random_bool(self.fault_rate);
+        let sk = self.sk(f.sk);
+        let served = if network_error {
+            Err("network error".to_string())
+        } else if sk.term() != f.term {
+            Err(format!("term is {}, not {}", sk.term(), f.term))
+        } else if sk.flush_lsn() < f.to {
+            Err(format!("WAL ends at {}", sk.flush_lsn()))
+        } else {
+            B::read(sk, f.from, f.to).ok_or_else(|| "not held".to_string())
+        };
+        let event = match served {
+            Ok(wal) => {
+                // What the walsender serves in our term is our WAL.
+                let log = self.proposers[f.p].log.as_ref().expect("donor chosen");
+                let (from, to) = (
+                    (f.from.0 - B::START.0) as usize,
+                    (f.to.0 - B::START.0) as usize,
+                );
+                assert_eq!(
+                    wal[..],
+                    log[from..to],
+                    "a{} served WAL [{}, {}) in term {} that differs from p{}'s",
+                    f.sk,
+                    f.from,
+                    f.to,
+                    f.term,
+                    f.p
+                );
+                Event::Fetched {
+                    from: f.from,
+                    wal: Bytes::from(wal),
+                }
+            }
+            Err(reason) => {
+                self.stats.fetch_failures += 1;
+                Event::FetchFailed { reason }
+            }
+        };
+        self.step_core(f.p, event);
+    }
+
+    /// A reply is delivered twice, or two replies swap places: the core must not care.
+    fn disturb_replies(&mut self, p: usize, a: usize) {
+        let q = &mut self.conns[p][a].to_prop;
+        let is_append = |b: &Bytes| {
+            matches!(
+                AcceptorProposerMessage::decode(b),
+                Ok(AcceptorProposerMessage::AppendResponse(_))
+            )
+        };
+        if q.len() >= 2 && is_append(&q[0]) && is_append(&q[1]) && self.rng.random_bool(0.5) {
+            q.swap(0, 1);
+            self.stats.replies_reordered += 1;
+        } else if let Some(front) = q.front().cloned().filter(|b| is_append(b)) {
+            q.push_front(front);
+            self.stats.replies_duplicated += 1;
         }
     }
 
@@ -1095,6 +1110,9 @@ impl<B: Backend> Cluster<B> {
     fn check(&mut self) {
         let committed_end = Lsn(B::START.0 + self.committed.len() as u64);
         let mut holders = 0;
+        // Per acceptor: the term of its newest durable WAL and how far that WAL agrees with
+        // the committed WAL.
+        let mut held: Vec<(Term, usize)> = Vec::with_capacity(N_ACC);
         for a in 0..N_ACC {
             let sk = self.acceptors[a]
                 .as_ref()
@@ -1153,6 +1171,27 @@ impl<B: Backend> Cluster<B> {
             {
                 holders += 1;
             }
+            let agree = common_prefix(&durable, &self.committed);
+            held.push((hist.last_log_term(), agree));
+        }
+        // Committed WAL is safe only if the next election's donor must have it: WAL committed
+        // in term T is held, durably, by a quorum whose newest WAL is of term T or later (the
+        // donor is chosen by `(last_log_term, flush_lsn)`). A quorum holding the bytes under an
+        // older term is not enough: a newer term's WAL elsewhere wins the next election.
+        for (&term, &lsn) in &self.commit_by_term {
+            let len = (lsn.0 - B::START.0) as usize;
+            if len == 0 {
+                continue; // no WAL committed yet, nothing to lose
+            }
+            let safe = held
+                .iter()
+                .filter(|&&(llt, agree)| llt >= term && agree >= len)
+                .count();
+            assert!(
+                safe >= QUORUM,
+                "WAL committed up to {lsn} in term {term} is held under term {term} or later by \
+                 only {safe} acceptors ({held:?}): the next election may lose it"
+            );
         }
         // Pairwise log safety.
         for a in 0..N_ACC {
@@ -1212,41 +1251,47 @@ impl<B: Backend> Cluster<B> {
         let a = self.rng.random_range(0..N_ACC);
         if self.rng.random_bool(self.fault_rate) {
             match self.rng.random_range(0..100) {
-                0..=49 => self.drop_conn(p, a, "network"),
-                50..=74 => self.power_loss(a),
-                75..=89 => {
+                0..=39 => self.drop_conn(p, a, "network"),
+                40..=59 => self.power_loss(a),
+                60..=69 => {
                     // A proposer stuck in a campaign (e.g. it lost the vote race) gives up.
-                    if matches!(self.proposers[p].phase, Phase::Greeting | Phase::Voting) {
-                        self.step_down(p, "campaign timeout");
+                    if matches!(
+                        self.proposers[p].phase(),
+                        Some(Phase::Greeting | Phase::Voting | Phase::Recovering)
+                    ) {
+                        self.stop_proposer(p, "campaign timeout");
                     }
                 }
-                _ => self.crash_proposer(p),
+                70..=84 => {
+                    if self.conns[p][a].up {
+                        self.disturb_replies(p, a);
+                    }
+                }
+                _ => {
+                    if self.proposers[p].core.is_some() {
+                        self.stop_proposer(p, "crash");
+                    }
+                }
             }
             return;
         }
         match self.rng.random_range(0..100) {
             0..=54 => self.deliver_random(),
             55..=71 => {
-                if self.proposers[p].phase == Phase::Elected {
+                if self.proposers[p].phase() == Some(Phase::Elected) {
                     self.append_record(p);
                 } else {
                     self.deliver_random();
                 }
             }
-            72..=76 => {
-                if self.proposers[p].phase == Phase::Elected {
-                    for a in 0..N_ACC {
-                        self.stream(p, a);
-                    }
-                }
-            }
+            72..=76 => self.step_core(p, Event::Tick),
             77..=87 => self.idle_flush(p, a),
             88..=89 => {
                 let force = self.rng.random_bool(0.5);
                 let _ = self.sk_mut(a).maybe_persist_inmem(force);
             }
             _ => {
-                if self.proposers[p].phase == Phase::Idle {
+                if self.proposers[p].core.is_none() {
                     // The other proposer may be fine: compete only sometimes.
                     if self.rng.random_bool(0.3) {
                         self.start_campaign(p);
@@ -1255,6 +1300,20 @@ impl<B: Backend> Cluster<B> {
                     self.connect(p, a);
                 }
             }
+        }
+    }
+
+    /// Delivers everything queued between `p` and `a`, both ways, until both queues are empty.
+    fn exchange(&mut self, p: usize, a: usize) {
+        loop {
+            if !self.conns[p][a].to_acc.is_empty() {
+                self.deliver_to_acceptor(p, a);
+            } else if !self.conns[p][a].to_prop.is_empty() {
+                self.deliver_to_proposer(p, a);
+            } else {
+                return;
+            }
+            self.check();
         }
     }
 
@@ -1270,11 +1329,15 @@ impl<B: Backend> Cluster<B> {
                 }
             }
         }
-        let n = queues.len() + self.zombies.len();
+        let n = queues.len() + self.zombies.len() + self.fetches.len();
         if n == 0 {
             return;
         }
         let pick = self.rng.random_range(0..n);
+        if pick >= queues.len() + self.zombies.len() {
+            self.deliver_fetch(pick - queues.len() - self.zombies.len());
+            return;
+        }
         if pick >= queues.len() {
             self.deliver_zombie(pick - queues.len());
             return;
@@ -1374,19 +1437,7 @@ fn run_many<B: Backend>(default_seeds: u64, default_steps: usize) {
         if s.commits_observed > 0 {
             seeds_with_commits += 1;
         }
-        total.elections += s.elections;
-        total.commits_observed += s.commits_observed;
-        total.power_losses += s.power_losses;
-        total.crash_points += s.crash_points;
-        total.drops += s.drops;
-        total.committed_bytes += s.committed_bytes;
-        total.stale_delivered += s.stale_delivered;
-        for (k, v) in s.acceptor_errors {
-            *total.acceptor_errors.entry(k).or_default() += v;
-        }
-        for (k, v) in s.backend {
-            *total.backend.entry(k).or_default() += v;
-        }
+        total.add(s);
     }
     eprintln!(
         "model ({}): {seeds} seeds x {steps} steps, {seeds_with_commits} seeds committed: {total:?}",
@@ -1398,6 +1449,18 @@ fn run_many<B: Backend>(default_seeds: u64, default_steps: usize) {
         "only {seeds_with_commits} of {seeds} seeds committed anything"
     );
     assert!(total.power_losses > 0 && total.elections > seeds);
+    if seeds >= 100 {
+        // Every kind of trouble the schedule can cause happened somewhere.
+        assert!(
+            total.drops_after_elected > 0
+                && total.fetches > 0
+                && total.fetch_failures > 0
+                && total.replies_duplicated > 0
+                && total.replies_reordered > 0
+                && total.stale_delivered > 0,
+            "a fault kind never happened: {total:?}"
+        );
+    }
 }
 
 #[test]
@@ -1414,4 +1477,100 @@ fn model_replay_one_seed() {
         Ok(other) => panic!("MODEL_BACKEND={other}: expected mem or simfs"),
     };
     eprintln!("seed {seed}: {stats:?}");
+}
+
+/// The trace of issue 12, replayed step by step on real acceptors and real proposer cores
+/// (A, B, C = acceptors 0, 1, 2). A proposer that counted a safekeeper's start point as an
+/// acknowledgement announced WAL committed that a later term then overwrote at the same LSNs;
+/// the invariant checks after every step (commit safety, committed WAL held by a quorum under
+/// its term) fail on such a proposer.
+#[test]
+fn start_point_is_not_an_acknowledgement_issue_12_trace() {
+    let (a, b, c) = (0, 1, 2);
+    let mut cl = Cluster::<Mem>::new(0, std::env::var("MODEL_TRACE").is_ok());
+    cl.scripted = true;
+    let term_of = |cl: &Cluster<Mem>, p: usize| cl.proposers[p].core.as_ref().map(|c| c.term());
+
+    // 1. Term 1: elected by A and B; its WAL W1 reaches A only.
+    cl.start_campaign(0);
+    cl.drop_conn(0, c, "unreachable");
+    cl.exchange(0, a);
+    cl.exchange(0, b); // B's greeting makes the quorum; B votes
+    cl.exchange(0, a); // A votes: elected; A gets `elected`
+    assert_eq!(term_of(&cl, 0), Some(Term(1)));
+    cl.drop_conn(0, b, "B never gets elected");
+    cl.append_record(0);
+    cl.exchange(0, a);
+    let nothing_committed =
+        |cl: &Cluster<Mem>| cl.commit_by_term.values().all(|&l| l <= Mem::START);
+    assert!(nothing_committed(&cl), "W1 is on A only");
+    cl.stop_proposer(0, "crash");
+
+    // 2. Term 2: elected by B and C; its different WAL W2 reaches B only.
+    cl.start_campaign(1);
+    cl.drop_conn(1, a, "unreachable");
+    cl.exchange(1, b);
+    cl.exchange(1, c);
+    cl.exchange(1, b);
+    assert_eq!(term_of(&cl, 1), Some(Term(2)));
+    cl.drop_conn(1, c, "C never gets elected");
+    cl.append_record(1);
+    cl.exchange(1, b);
+    assert!(nothing_committed(&cl), "W2 is on B only");
+    cl.stop_proposer(1, "crash");
+
+    // 3. Term 3: elected by A and C. A is the donor (last log term 1 > 0): the term starts at
+    //    the end of W1, which is fetched from A for C. A's connection drops before A processes
+    //    `elected`; C gets W1 and acknowledges it.
+    cl.start_campaign(0);
+    cl.drop_conn(0, b, "unreachable");
+    cl.exchange(0, a);
+    cl.exchange(0, c);
+    cl.exchange(0, a);
+    assert_eq!(
+        cl.proposers[0].core.as_ref().and_then(|c| c.donor()),
+        Some(a)
+    );
+    assert_eq!(cl.fetches.len(), 1, "C lacks W1");
+    cl.deliver_fetch(0);
+    assert_eq!(term_of(&cl, 0), Some(Term(3)));
+    cl.drop_conn(0, a, "A drops before processing elected");
+    cl.exchange(0, c);
+    cl.check();
+    assert!(
+        cl.proposers[0].commit <= Mem::START,
+        "one acknowledgement of the two needed is no commit"
+    );
+    cl.stop_proposer(0, "crash");
+
+    // 4. Term 4: elected by A and B. B is the donor (last log term 2 > 1): A is truncated and
+    //    W2 is committed at the LSNs where W1 was.
+    cl.start_campaign(1);
+    cl.drop_conn(1, c, "unreachable");
+    cl.exchange(1, a);
+    cl.exchange(1, b);
+    cl.exchange(1, a);
+    assert_eq!(cl.fetches.len(), 1, "A lacks W2");
+    cl.deliver_fetch(0);
+    assert_eq!(term_of(&cl, 1), Some(Term(4)));
+    assert_eq!(
+        cl.proposers[1].core.as_ref().and_then(|c| c.donor()),
+        Some(b)
+    );
+    cl.append_record(1);
+    cl.exchange(1, a);
+    cl.exchange(1, b);
+    cl.check();
+    assert!(
+        cl.commit_by_term
+            .get(&Term(4))
+            .is_some_and(|&l| l > Mem::START),
+        "term 4 commits: {:?}",
+        cl.commit_by_term
+    );
+    assert!(
+        cl.commit_by_term
+            .get(&Term(3))
+            .is_none_or(|&l| l <= Mem::START)
+    );
 }
