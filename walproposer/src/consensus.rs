@@ -56,9 +56,13 @@ pub type ConnId = u64;
 pub struct CoreConfig {
     /// Number of safekeepers; they are `0..n`.
     pub n_safekeepers: usize,
+    /// The timeline written.
     pub ttid: TenantTimelineId,
+    /// PostgreSQL system identifier, sent in the greeting.
     pub system_id: u64,
+    /// PostgreSQL version, sent in the greeting.
     pub pg_version: u32,
+    /// WAL segment size, sent in the greeting.
     pub wal_seg_size: u32,
     /// Where WAL begins if every safekeeper is empty (a record boundary).
     pub start_lsn: Lsn,
@@ -101,19 +105,40 @@ impl CoreConfig {
 #[derive(Clone, Debug)]
 pub enum Event {
     /// A new connection to `sk` is ready for protocol messages (after `START_WAL_PUSH`).
-    Connected { sk: SkId, conn: ConnId },
+    Connected {
+        /// The safekeeper.
+        sk: SkId,
+        /// The new connection.
+        conn: ConnId,
+    },
     /// The connection is gone (error, close, or the driver gave up on it).
-    Disconnected { sk: SkId, conn: ConnId },
+    Disconnected {
+        /// The safekeeper.
+        sk: SkId,
+        /// The connection that is gone.
+        conn: ConnId,
+    },
     /// `sk` sent `msg` on `conn`.
     Received {
+        /// The safekeeper.
         sk: SkId,
+        /// The connection it came on.
         conn: ConnId,
+        /// The reply.
         msg: AcceptorProposerMessage,
     },
     /// The answer to [`Action::Fetch`]: WAL `[from, from + wal.len())`.
-    Fetched { from: Lsn, wal: Bytes },
+    Fetched {
+        /// Where the WAL starts.
+        from: Lsn,
+        /// The WAL.
+        wal: Bytes,
+    },
     /// [`Action::Fetch`] failed.
-    FetchFailed { reason: String },
+    FetchFailed {
+        /// Why.
+        reason: String,
+    },
     /// Time passed (the driver ticks about once a second): idle streams get a heartbeat.
     Tick,
 }
@@ -123,47 +148,73 @@ pub enum Event {
 pub enum Action {
     /// Send `msg` to `sk` on connection `conn` (drop it if that connection is gone).
     Send {
+        /// The safekeeper.
         sk: SkId,
+        /// The connection to send on.
         conn: ConnId,
+        /// The message.
         msg: ProposerAcceptorMessage,
     },
     /// Close connection `conn` to `sk` (it broke the protocol, or it cannot be served now); the
     /// driver reconnects later.
     Close {
+        /// The safekeeper.
         sk: SkId,
+        /// The connection to close.
         conn: ConnId,
+        /// Why, for the log.
         reason: String,
     },
     /// Read WAL `[from, to)` from safekeeper `sk` while its term is `term`
     /// (`START_REPLICATION … (term='N')`) and report back with [`Event::Fetched`] or
     /// [`Event::FetchFailed`]. At most one fetch is outstanding.
     Fetch {
+        /// The safekeeper to read from.
         sk: SkId,
+        /// The term it must still be in.
         term: Term,
+        /// Start of the WAL to read.
         from: Lsn,
+        /// End of the WAL to read.
         to: Lsn,
     },
     /// This proposer is elected: its term, where the term's WAL starts, and its history.
     Elected {
+        /// Our term.
         term: Term,
+        /// Where this term's WAL starts.
         term_start: Lsn,
+        /// Our history: the donor's plus `(term, term_start)`.
         history: TermHistory,
     },
     /// The commit LSN advanced: WAL below it is on a quorum under this term's history.
     Commit(Lsn),
     /// A safekeeper is at `seen`, above our term: this proposer is done.
-    SteppedDown { seen: Term },
+    SteppedDown {
+        /// The higher term.
+        seen: Term,
+    },
     /// Recovering the donor's WAL failed: the election cannot complete.
-    ElectionFailed { reason: String },
+    ElectionFailed {
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Why [`ProposerCore::push`] refused WAL.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PushError {
     #[error("not elected")]
+    /// Only an elected proposer takes WAL.
     NotElected,
     #[error("WAL must continue at {expected}, got {got}")]
-    Discontinuous { expected: Lsn, got: Lsn },
+    /// WAL must continue the proposer's WAL.
+    Discontinuous {
+        /// The end of the proposer's WAL.
+        expected: Lsn,
+        /// Where the pushed WAL started.
+        got: Lsn,
+    },
 }
 
 /// Where the election stands.
@@ -382,10 +433,12 @@ impl ProposerCore {
 
     // ----- accessors -------------------------------------------------------------------------
 
+    /// The configuration.
     pub fn config(&self) -> &CoreConfig {
         &self.cfg
     }
 
+    /// Where the election stands.
     pub fn phase(&self) -> Phase {
         self.phase
     }
@@ -400,6 +453,7 @@ impl ProposerCore {
         self.term_start
     }
 
+    /// Our history (valid once elected).
     pub fn history(&self) -> &TermHistory {
         &self.history
     }

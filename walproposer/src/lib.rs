@@ -51,17 +51,24 @@ const STALL_REPORT: Duration = Duration::from_secs(5);
 /// What the proposer needs to know.
 #[derive(Clone, Debug)]
 pub struct ProposerConfig {
+    /// The safekeepers to elect this proposer and to stream to.
     pub safekeepers: Vec<SafekeeperAddr>,
+    /// The timeline written.
     pub ttid: TenantTimelineId,
+    /// PostgreSQL system identifier of the WAL.
     pub system_id: u64,
+    /// PostgreSQL version of the WAL's server (e.g. 150018).
     pub pg_version: u32,
+    /// WAL segment size in bytes.
     pub wal_seg_size: u32,
     /// Where WAL begins if every safekeeper is empty (a record boundary).
     pub start_lsn: Lsn,
+    /// Whether a safekeeper that does not know the timeline creates it on our greeting.
     pub allow_timeline_creation: bool,
 }
 
 impl ProposerConfig {
+    /// Safekeepers needed for a quorum: a majority.
     pub fn quorum(&self) -> usize {
         self.safekeepers.len() / 2 + 1
     }
@@ -81,19 +88,40 @@ impl ProposerConfig {
 /// Why the proposer stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ProposerError {
+    /// The election found no quorum in time.
     #[error("no quorum: {got} of {need} safekeepers voted for us within {timeout:?} ({details})")]
     NoQuorum {
+        /// Votes granted.
         got: usize,
+        /// Votes needed.
         need: usize,
+        /// How long the election waited.
         timeout: Duration,
+        /// Each safekeeper's state and last error.
         details: String,
     },
+    /// A safekeeper is at a higher term: another proposer took over.
     #[error("stepped down: a safekeeper is at term {seen}, above ours ({ours})")]
-    SteppedDown { ours: Term, seen: Term },
+    SteppedDown {
+        /// Our term.
+        ours: Term,
+        /// The higher term seen.
+        seen: Term,
+    },
+    /// Fetching WAL from a safekeeper failed, or the WAL was unusable.
     #[error("recovering WAL: {0}")]
-    Recovery(String),
+    Recovery(
+        /// What failed.
+        String,
+    ),
+    /// Pushed WAL does not continue the proposer's WAL.
     #[error("WAL must continue at {expected}, got {got}")]
-    Discontinuous { expected: Lsn, got: Lsn },
+    Discontinuous {
+        /// The end of the proposer's WAL.
+        expected: Lsn,
+        /// Where the pushed WAL started.
+        got: Lsn,
+    },
 }
 
 /// What the proposer publishes as it runs.
@@ -327,6 +355,7 @@ impl Proposer {
         Ok(proposer)
     }
 
+    /// Our term.
     pub fn term(&self) -> Term {
         self.term
     }
@@ -336,6 +365,7 @@ impl Proposer {
         self.term_start
     }
 
+    /// Our term history: the donor's plus `(term, term start)`.
     pub fn history(&self) -> &TermHistory {
         &self.history
     }
@@ -350,10 +380,12 @@ impl Proposer {
         self.shared.cfg.system_id
     }
 
+    /// The current progress.
     pub fn progress(&self) -> Progress {
         *self.shared.progress.borrow()
     }
 
+    /// A receiver of every change of [`Progress`].
     pub fn subscribe(&self) -> watch::Receiver<Progress> {
         self.shared.progress.subscribe()
     }
