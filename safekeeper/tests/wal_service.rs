@@ -9,7 +9,7 @@ use pg_wal::generator::WalGenerator;
 use pq_proto::PqError;
 use pq_proto::client::{ClientConfig, ClientConn};
 use sk_core::protocol::AcceptorProposerMessage;
-use sk_core::types::{Lsn, Term, TermHistory};
+use sk_core::types::{Lsn, Term};
 
 const START: Lsn = Lsn(SEG_SIZE); // 0/1000000: the start of segment 1
 
@@ -45,8 +45,8 @@ fn pieces(wal: &[u8]) -> Vec<(Lsn, &[u8])> {
 async fn pipelined_appends_are_acked_monotonically_and_stored_byte_exact() {
     let dir = tempfile::tempdir().unwrap();
     let d = TestDaemon::start(dir.path()).await;
-    let mut p = Proposer::connect(&d).await;
-    p.elect(Term(1), TermHistory::empty(), START).await;
+    let (mut p, _) = Client::elect(&d, START).await;
+    assert_eq!(p.term, Term(1));
 
     let wal = generate(8 << 20, 200);
     let end = Lsn(START.0 + wal.len() as u64);
@@ -134,7 +134,7 @@ async fn pipelined_appends_are_acked_monotonically_and_stored_byte_exact() {
     let status = d.get_json("/v1/timelines").await;
     assert_eq!(status[0]["flush_lsn"], end.to_string());
     assert_eq!(status[0]["commit_lsn"], end.to_string());
-    let mut p = Proposer::connect(&d).await;
+    let mut p = Client::connect(&d).await;
     assert_eq!(p.term, Term(1));
     let v = p.vote(Term(2)).await;
     assert!(v.vote_given);
@@ -148,8 +148,8 @@ async fn pipelined_appends_are_acked_monotonically_and_stored_byte_exact() {
 async fn append_with_gap_ends_only_that_connection() {
     let dir = tempfile::tempdir().unwrap();
     let d = TestDaemon::start(dir.path()).await;
-    let mut p = Proposer::connect(&d).await;
-    p.elect(Term(1), TermHistory::empty(), START).await;
+    let (mut p, _) = Client::elect(&d, START).await;
+    assert_eq!(p.term, Term(1));
     let wal = generate(64 << 10, 100);
     p.writer
         .send(&p.append(Lsn(START.0 + 8192), &wal[8192..16384], Lsn::INVALID))
@@ -166,8 +166,8 @@ async fn append_with_gap_ends_only_that_connection() {
         other => panic!("expected an error for a gap, got {other:?}"),
     }
     // The daemon still serves: a new connection elects and appends correctly.
-    let mut p = Proposer::connect(&d).await;
-    p.elect(Term(2), TermHistory::empty(), START).await;
+    let (mut p, start) = Client::elect(&d, START).await;
+    assert_eq!((p.term, start), (Term(2), START));
     p.writer
         .send(&p.append(START, &wal, Lsn::INVALID))
         .await
@@ -223,8 +223,8 @@ async fn idle_reader_gets_keepalives_and_prompt_replies() {
 
     let dir = tempfile::tempdir().unwrap();
     let d = TestDaemon::start(dir.path()).await;
-    let mut p = Proposer::connect(&d).await;
-    p.elect(Term(1), TermHistory::empty(), START).await;
+    let (mut p, _) = Client::elect(&d, START).await;
+    assert_eq!(p.term, Term(1));
     let wal = generate(200 << 10, 300);
     let end = Lsn(START.0 + wal.len() as u64);
     let half = wal.len() / 2;
@@ -365,8 +365,8 @@ async fn malformed_startup_packets_are_refused_and_the_daemon_keeps_serving() {
         }
     }
     // Honest clients keep working.
-    let mut p = Proposer::connect(&d).await;
-    p.elect(Term(1), TermHistory::empty(), START).await;
+    let (p, _) = Client::elect(&d, START).await;
+    assert_eq!(p.term, Term(1));
     d.stop().await.unwrap();
 }
 

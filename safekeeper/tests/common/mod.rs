@@ -1,5 +1,5 @@
 //! Shared helpers of the loopback integration tests: an in-process daemon on ephemeral ports,
-//! and a minimal single-safekeeper proposer over the real protocol.
+//! and a raw protocol-v3 client whose elections are run by the real proposer core.
 
 #![allow(dead_code)]
 
@@ -11,15 +11,14 @@ use safekeeper::config::Conf;
 use safekeeper::daemon;
 use sk_core::protocol::{
     AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
-    ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
+    ProposerGreeting, VoteRequest, VoteResponse,
 };
 use sk_core::state::Configuration;
-use sk_core::types::{
-    Generation, Lsn, TenantId, TenantTimelineId, Term, TermHistory, TermLsn, TimelineId,
-};
+use sk_core::types::{Generation, Lsn, TenantId, TenantTimelineId, Term, TimelineId};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use walproposer::conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
+use walproposer::consensus::{Action, CoreConfig, Event, Phase, ProposerCore};
 
 pub const SEG_SIZE: u64 = 16 << 20;
 pub const SYSID: u64 = 7_400_000_000_000_000_001;
@@ -124,16 +123,19 @@ pub fn greeting() -> ProposerAcceptorMessage {
     })
 }
 
-/// A proposer connected to one safekeeper.
-pub struct Proposer {
+/// A raw protocol-v3 connection to one safekeeper, for tests that send hand-made messages
+/// (gaps, pipelined appends, votes). Elections are run by the real proposer core
+/// ([`Client::elect`]): there is one proposer in the codebase.
+pub struct Client {
     pub reader: PushReader,
     pub writer: PushWriter,
+    /// The safekeeper's term from its greeting, or ours once elected.
     pub term: Term,
 }
 
-impl Proposer {
+impl Client {
     /// Connects and greets.
-    pub async fn connect(d: &TestDaemon) -> Proposer {
+    pub async fn connect(d: &TestDaemon) -> Client {
         let (mut reader, mut writer) = connect_push(&d.addr(), ttid(), true, "test")
             .await
             .expect("connect");
@@ -142,14 +144,14 @@ impl Proposer {
         else {
             panic!("expected a greeting reply");
         };
-        Proposer {
+        Client {
             reader,
             writer,
             term: g.term,
         }
     }
 
-    /// Asks for a vote in `term`.
+    /// Asks for a vote in `term` (no election follows).
     pub async fn vote(&mut self, term: Term) -> VoteResponse {
         self.writer
             .send(&ProposerAcceptorMessage::VoteRequest(VoteRequest {
@@ -164,23 +166,48 @@ impl Proposer {
         }
     }
 
-    /// Wins `term` (single safekeeper) with `history` ending in `(term, start)`.
-    pub async fn elect(&mut self, term: Term, mut history: TermHistory, start: Lsn) {
-        let v = self.vote(term).await;
-        assert!(v.vote_given, "vote refused: {v:?}");
-        history.0.push(TermLsn { term, lsn: start });
-        self.writer
-            .send(&ProposerAcceptorMessage::Elected(ProposerElected {
-                generation: Generation(0),
-                term,
-                start_streaming_at: start,
-                term_history: history,
-            }))
+    /// Runs the real proposer core over a new connection to `d` (a one-safekeeper set, WAL
+    /// starting at `start` if empty) until it is elected and the safekeeper acknowledged its
+    /// start point; returns the connection, quiet, for hand-made appends, and the start point.
+    pub async fn elect(d: &TestDaemon, start: Lsn) -> (Client, Lsn) {
+        let (mut reader, mut writer) = connect_push(&d.addr(), ttid(), true, "test")
             .await
-            .expect("send elected");
-        self.term = term;
+            .expect("connect");
+        let mut cfg = CoreConfig::new(1, ttid(), SYSID, 150018, SEG_SIZE as u32, start);
+        cfg.max_in_flight = u64::MAX;
+        let mut core = ProposerCore::new(cfg);
+        core.step(Event::Connected { sk: 0, conn: 1 });
+        loop {
+            for action in core.take_actions() {
+                match action {
+                    Action::Send { msg, .. } => writer.queue(&msg).expect("encode"),
+                    Action::Elected { .. } | Action::Commit(_) => {}
+                    other => panic!("election over one safekeeper failed: {other:?}"),
+                }
+            }
+            writer.flush().await.expect("send");
+            let msg = reader.recv().await.expect("reply during the election");
+            core.step(Event::Received {
+                sk: 0,
+                conn: 1,
+                msg,
+            });
+            if core.phase() == Phase::Elected && core.counted_flush(0) >= core.term_start() {
+                // Quiet from here: what the core would send next (the commit LSN) is not sent.
+                let (term, start) = (core.term(), core.term_start());
+                return (
+                    Client {
+                        reader,
+                        writer,
+                        term,
+                    },
+                    start,
+                );
+            }
+        }
     }
 
+    /// An append of `data` at `begin` in our term.
     pub fn append(&self, begin: Lsn, data: &[u8], commit: Lsn) -> ProposerAcceptorMessage {
         append_msg(self.term, begin, data, commit)
     }
