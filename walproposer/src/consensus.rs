@@ -851,14 +851,7 @@ impl ProposerCore {
         if self.phase == Phase::Recovering {
             self.finish_election();
         } else {
-            for sk in 0..self.members.len() {
-                if matches!(
-                    self.members[sk].conn.as_ref().map(|c| &c.state),
-                    Some(ConnState::Voted(_))
-                ) {
-                    self.start_streaming(sk);
-                }
-            }
+            self.start_streaming_all_voted();
         }
     }
 
@@ -890,13 +883,13 @@ impl ProposerCore {
             term_start: self.term_start,
             history: self.history.clone(),
         });
+        self.start_streaming_all_voted();
+    }
+
+    /// Starts streaming to every safekeeper that answered our vote request and waits.
+    fn start_streaming_all_voted(&mut self) {
         for sk in 0..self.members.len() {
-            if matches!(
-                self.members[sk].conn.as_ref().map(|c| &c.state),
-                Some(ConnState::Voted(_))
-            ) {
-                self.start_streaming(sk);
-            }
+            self.start_streaming(sk);
         }
     }
 
