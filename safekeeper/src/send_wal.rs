@@ -5,6 +5,10 @@
 //! truncates. With `(term='N')` the walsender serves up to the durable `flush_lsn` instead,
 //! while the local term stays N (a proposer fetching the donor's WAL).
 //!
+//! A `(term='N')` reader checks the term at the top of every loop *and* under the acceptor lock
+//! around each read ([`Timeline::read_wal_in_term`]): a new term's truncation takes that lock, so
+//! it cannot slip between the check and the read and have old-term bytes sent.
+//!
 //! WAL goes out in XLogData messages of at most 128 KiB, cut at page boundaries like
 //! PostgreSQL's walsender; an idle stream gets a keepalive every second; a status update that
 //! asks for a reply gets one at once; CopyDone ends streaming and returns to query mode.
@@ -15,8 +19,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::metrics;
-use crate::timeline::{Positions, Timeline};
-use crate::wal_store::segment_path;
+use crate::timeline::{Positions, TermRead, Timeline};
 use pg_wal::format::xlog_file_name;
 use pq_proto::replication::StandbyMessage;
 use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
@@ -74,7 +77,7 @@ where
         return Ok(StreamEnd::CopyDone(conn));
     }
     let oldest = tl.oldest_available_lsn();
-    if start < oldest || !segment_exists(&tl, start) {
+    if start < oldest || !tl.has_segment_at(start) {
         conn.send_error(ErrorFields::error(
             sqlstate::UNDEFINED_OBJECT,
             format!(
@@ -121,11 +124,12 @@ fn end_of(pos: &Positions, term: Option<Term>) -> Lsn {
     }
 }
 
-fn segment_exists(tl: &Timeline, lsn: Lsn) -> bool {
-    let segno = lsn.segment_number(tl.seg_size);
-    [false, true]
-        .into_iter()
-        .any(|partial| segment_path(&tl.dir, segno, tl.seg_size, partial).exists())
+/// The error that ends a `(term='N')` stream once the acceptor's term is `now`.
+fn term_changed(was: Term, now: Term) -> Ending {
+    Ending::Error(ErrorFields::error(
+        sqlstate::OBJECT_NOT_IN_PREREQUISITE_STATE,
+        format!("term changed from {was} to {now}: ending WAL recovery stream"),
+    ))
 }
 
 enum Ending {
@@ -163,13 +167,7 @@ where
         if let Some(t) = term
             && now.term != t
         {
-            return Err(Ending::Error(ErrorFields::error(
-                sqlstate::OBJECT_NOT_IN_PREREQUISITE_STATE,
-                format!(
-                    "term changed from {t} to {}: ending WAL recovery stream",
-                    now.term
-                ),
-            )));
+            return Err(term_changed(t, now.term));
         }
         let end = end_of(&now, term);
         let have_wal = pos < end;
@@ -217,19 +215,34 @@ where
                     let tl = tl.clone();
                     let mut b = std::mem::take(&mut buf);
                     tokio::task::spawn_blocking(move || {
-                        let r = tl.read_wal(pos, chunk_end, &mut b);
+                        #[cfg(test)]
+                        tl.run_before_wal_read_hook();
+                        // A (term='N') reader's term check covers its read: both happen under
+                        // the acceptor lock, so a new term cannot truncate the range between.
+                        let r = match term {
+                            Some(t) => tl.read_wal_in_term(t, pos, chunk_end, &mut b),
+                            None => tl.read_wal(pos, chunk_end, &mut b).map(|()| TermRead::Read),
+                        };
                         (r, b)
                     })
                     .await
                     .map_err(|e| Ending::Io(PqError::Io(std::io::Error::other(e))))?
                 };
                 buf = read.1;
-                if let Err(e) = read.0 {
-                    tracing::error!(ttid = %tl.ttid, "reading WAL at {pos}: {e}");
-                    return Err(Ending::Error(ErrorFields::error(
-                        sqlstate::INTERNAL_ERROR,
-                        format!("could not read WAL at {pos}"),
-                    )));
+                match read.0 {
+                    Ok(TermRead::Read) => {}
+                    Ok(TermRead::TermChanged(now)) => {
+                        return Err(term_changed(term.unwrap_or(now), now));
+                    }
+                    // Truncated in the same term: look at the positions again.
+                    Ok(TermRead::Truncated(_)) => continue,
+                    Err(e) => {
+                        tracing::error!(ttid = %tl.ttid, "reading WAL at {pos}: {e}");
+                        return Err(Ending::Error(ErrorFields::error(
+                            sqlstate::INTERNAL_ERROR,
+                            format!("could not read WAL at {pos}"),
+                        )));
+                    }
                 }
                 writer.write_xlog_data(pos, end, pg_now(), &buf);
                 writer.flush().await?;
@@ -256,5 +269,180 @@ where
                 )));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use bytes::{Bytes, BytesMut};
+    use pg_wal::generator::WalGenerator;
+    use pq_proto::backend::decode_backend;
+    use pq_proto::replication::ReplicationMessage;
+    use pq_proto::server::ServerConfig;
+    use sk_core::protocol::{
+        AppendRequest, AppendRequestHeader, ProposerAcceptorMessage, ProposerElected,
+        ProposerGreeting, VoteRequest,
+    };
+    use sk_core::state::Configuration;
+    use sk_core::storage::fs::SimFs;
+    use sk_core::types::{Generation, NodeId, TenantId, TermHistory, TermLsn, TimelineId};
+    use tokio::io::AsyncReadExt;
+
+    use super::*;
+    use crate::registry::GlobalTimelines;
+
+    const SEG: u64 = 1 << 20;
+
+    fn run(tl: &Timeline, msg: ProposerAcceptorMessage) {
+        tl.process_msg(&msg)
+            .expect("the acceptor takes the message");
+    }
+
+    /// Votes for `term`, is elected with `history` (whose last entry is `term`), and streams
+    /// `wal` from the start of that entry.
+    fn elect_and_append(tl: &Timeline, term: u64, history: &[(u64, Lsn)], wal: &[u8]) {
+        let term = Term(term);
+        run(
+            tl,
+            ProposerAcceptorMessage::VoteRequest(VoteRequest {
+                generation: Generation(0),
+                term,
+            }),
+        );
+        let start = history.last().expect("a history").1;
+        run(
+            tl,
+            ProposerAcceptorMessage::Elected(ProposerElected {
+                generation: Generation(0),
+                term,
+                start_streaming_at: start,
+                term_history: TermHistory(
+                    history
+                        .iter()
+                        .map(|&(t, lsn)| TermLsn { term: Term(t), lsn })
+                        .collect(),
+                ),
+            }),
+        );
+        for (i, piece) in wal.chunks(MAX_SEND_SIZE).enumerate() {
+            let begin = Lsn(start.0 + (i * MAX_SEND_SIZE) as u64);
+            run(
+                tl,
+                ProposerAcceptorMessage::AppendRequest(AppendRequest {
+                    h: AppendRequestHeader {
+                        generation: Generation(0),
+                        term,
+                        begin_lsn: begin,
+                        end_lsn: Lsn(begin.0 + piece.len() as u64),
+                        commit_lsn: Lsn::INVALID,
+                        truncate_lsn: Lsn::INVALID,
+                    },
+                    wal_data: Bytes::copy_from_slice(piece),
+                }),
+            );
+        }
+    }
+
+    /// A new term truncates and rewrites the WAL while a `(term='1')` walsender is between its
+    /// term check and its read (a test hook runs there). The reader must get only term 1's
+    /// bytes, and the stream must end with an error naming the term change.
+    #[tokio::test]
+    async fn a_term_reader_never_gets_wal_a_new_term_wrote_after_its_check() {
+        let (_sim, fs) = SimFs::with_dir(Path::new("/data"));
+        let timelines = GlobalTimelines::load_in(fs, Path::new("/data"), NodeId(1), false).unwrap();
+        let greeting = ProposerGreeting {
+            tenant_id: TenantId([1; 16]),
+            timeline_id: TimelineId([2; 16]),
+            mconf: Configuration::default(),
+            pg_version: 150000,
+            system_id: 42,
+            wal_seg_size: SEG as u32,
+        };
+        let tl = timelines.get_or_create(&greeting, true).unwrap();
+        run(&tl, ProposerAcceptorMessage::Greeting(greeting));
+
+        // Term 1: 200 kB of WAL from the start of segment 1.
+        let start = Lsn(SEG);
+        let mut g1 = WalGenerator::new(42, SEG, start).unwrap();
+        let mut term1 = Vec::new();
+        let mut ends = Vec::new();
+        while term1.len() < 200_000 {
+            ends.push(g1.append_logical_message(&mut term1, &[1; 300]));
+        }
+        elect_and_append(&tl, 1, &[(1, start)], &term1);
+        assert_eq!(tl.positions().flush_lsn, g1.lsn());
+
+        // Term 2 keeps term 1's WAL up to a record boundary 20 kB in, then writes its own.
+        let cut = ends.iter().find(|p| p.end.0 >= start.0 + 20_000).unwrap();
+        let mut g2 = WalGenerator::new(42, SEG, cut.end)
+            .unwrap()
+            .with_prev(cut.start);
+        let mut term2 = Vec::new();
+        while term2.len() < 200_000 {
+            g2.append_logical_message(&mut term2, &[2; 300]);
+        }
+        let hook_tl = Arc::downgrade(&tl);
+        let cut_end = cut.end;
+        *tl.before_wal_read.lock().unwrap() = Some(Box::new(move || {
+            let tl = hook_tl.upgrade().expect("the timeline is alive");
+            elect_and_append(&tl, 2, &[(1, start), (2, cut_end)], &term2);
+        }));
+
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        let conn = ServerConn::new(server, ServerConfig::default());
+        let walsender = tokio::spawn(handle_start_replication(
+            conn,
+            tl.clone(),
+            start,
+            Some(Term(1)),
+            tokio_util::sync::CancellationToken::new(),
+        ));
+        let mut buf = BytesMut::new();
+        let mut error = None;
+        let mut served = start;
+        tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let msg = match decode_backend(&mut buf, 1 << 20).unwrap() {
+                    Some(m) => m,
+                    None => {
+                        let n = client.read_buf(&mut buf).await.unwrap();
+                        if n == 0 {
+                            return;
+                        }
+                        continue;
+                    }
+                };
+                match msg {
+                    BackendMessage::CopyData(d) => {
+                        if let Ok(ReplicationMessage::XLogData {
+                            wal_start, data, ..
+                        }) = ReplicationMessage::decode(d)
+                        {
+                            let off = (wal_start.0 - start.0) as usize;
+                            assert!(
+                                data[..] == term1[off..off + data.len()],
+                                "the term 1 reader got bytes [{wal_start}, +{}) that are not \
+                                 term 1's WAL",
+                                data.len()
+                            );
+                            served = Lsn(wal_start.0 + data.len() as u64);
+                        }
+                    }
+                    BackendMessage::ErrorResponse(e) => {
+                        error = Some(e.message);
+                        return;
+                    }
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .expect("the stream ends");
+        let error = error.expect("the stream ends with an error");
+        assert!(error.contains("term changed"), "{error}");
+        assert!(served <= cut_end, "served up to {served}");
+        walsender.await.unwrap().unwrap();
     }
 }

@@ -50,6 +50,17 @@ pub struct Positions {
     pub commit_lsn: Lsn,
 }
 
+/// The outcome of [`Timeline::read_wal_in_term`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TermRead {
+    /// The bytes were read while the term held and the range was durable WAL.
+    Read,
+    /// The acceptor's term is now this one: nothing was read.
+    TermChanged(Term),
+    /// The durable WAL now ends here, below the requested range: nothing was read.
+    Truncated(Lsn),
+}
+
 /// What `GET /v1/tenant/{t}/timeline/{tl}` shows.
 #[derive(Clone, Debug, Serialize)]
 pub struct TimelineStatus {
@@ -105,6 +116,9 @@ pub struct Timeline {
     proposers: AtomicUsize,
     readers: AtomicUsize,
     last_persist: Mutex<Instant>,
+    /// Test hook: runs in a walsender between its term check and its WAL read.
+    #[cfg(test)]
+    pub(crate) before_wal_read: Mutex<Option<Box<dyn FnMut() + Send>>>,
 }
 
 impl Timeline {
@@ -162,6 +176,8 @@ impl Timeline {
             proposers: AtomicUsize::new(0),
             readers: AtomicUsize::new(0),
             last_persist: Mutex::new(Instant::now()),
+            #[cfg(test)]
+            before_wal_read: Mutex::new(None),
         })
     }
 
@@ -197,9 +213,49 @@ impl Timeline {
         self.positions.subscribe()
     }
 
-    /// Appends WAL bytes `[from, to)` to `out`. Blocking (file reads).
+    /// Appends WAL bytes `[from, to)` to `out`. Blocking (file reads). For committed WAL only,
+    /// which no term truncates; WAL served to a `(term='N')` reader goes through
+    /// [`Timeline::read_wal_in_term`].
     pub fn read_wal(&self, from: Lsn, to: Lsn, out: &mut Vec<u8>) -> storage::Result<()> {
         self.reader.read(from, to, out)
+    }
+
+    /// Appends WAL bytes `[from, to)` to `out` if they are still term `term`'s durable WAL: the
+    /// term check and the read happen under the acceptor lock, which every truncation holds,
+    /// so no new term can truncate and rewrite the range between the check and the read.
+    /// Blocking (file reads, and it waits for a `process_msg` in progress).
+    pub fn read_wal_in_term(
+        &self,
+        term: Term,
+        from: Lsn,
+        to: Lsn,
+        out: &mut Vec<u8>,
+    ) -> storage::Result<TermRead> {
+        let acceptor = self.lock();
+        if acceptor.term() != term {
+            return Ok(TermRead::TermChanged(acceptor.term()));
+        }
+        if to > acceptor.flush_lsn() {
+            // Truncated in this term (a proposer's election) since the caller looked.
+            return Ok(TermRead::Truncated(acceptor.flush_lsn()));
+        }
+        self.reader.read(from, to, out)?;
+        drop(acceptor);
+        Ok(TermRead::Read)
+    }
+
+    /// Runs (once) the test hook set in `before_wal_read`.
+    #[cfg(test)]
+    pub(crate) fn run_before_wal_read_hook(&self) {
+        let hook = self.before_wal_read.lock().expect("hook lock").take();
+        if let Some(mut hook) = hook {
+            hook();
+        }
+    }
+
+    /// Whether the segment holding `lsn` exists here.
+    pub fn has_segment_at(&self, lsn: Lsn) -> bool {
+        self.reader.has_segment(lsn.segment_number(self.seg_size))
     }
 
     /// PostgreSQL system identifier of the timeline.

@@ -38,6 +38,14 @@ impl WalReader {
         }
     }
 
+    /// Whether segment `segno` exists (`.partial` or plain), on the reader's file system.
+    pub fn has_segment(&self, segno: u64) -> bool {
+        [true, false].into_iter().any(|partial| {
+            self.fs
+                .exists(&segment_path(&self.dir, segno, self.seg_size, partial))
+        })
+    }
+
     /// Appends the WAL bytes `[from, to)` to `out`, crossing segments as needed (each segment
     /// is read from `.partial` first, then its plain name). A missing segment or a short file is
     /// an error, and so is a range over [`MAX_READ_LEN`] (walsenders read 128 KiB at a time).
