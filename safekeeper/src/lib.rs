@@ -21,6 +21,8 @@ pub mod metrics;
 pub mod receive_wal;
 pub mod registry;
 pub mod send_wal;
+#[cfg(test)]
+mod test_util;
 pub mod timeline;
 pub mod wal_service;
 pub mod wal_store;

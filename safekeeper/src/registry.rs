@@ -443,4 +443,52 @@ mod tests {
         assert_eq!(tl.system_id(), 42);
         assert!(!fs.exists(&Path::new(DATADIR).join(TMP_DIR)));
     }
+
+    /// Item 2 of issue 13: a process crash (kill -9, the abort after a failed fsync) keeps the
+    /// page cache, so the restarted node decodes WAL that was never fsynced. It must make that
+    /// WAL durable before anything reveals it: here a vote reveals the recovered flush LSN, then
+    /// the power fails, and the flush LSN after the next start must not be below it.
+    #[test]
+    fn wal_revealed_after_a_crash_survives_a_later_power_loss() {
+        use crate::test_util::{append, elect, greeting, load, run, sim_node, vote};
+        use pg_wal::generator::WalGenerator;
+        use sk_core::types::Lsn;
+
+        const SEG: u64 = 1 << 20;
+        let (sim, fs, timelines) = sim_node();
+        let g = greeting(3, SEG);
+        let tl = timelines.get_or_create(&g, true).unwrap();
+        run(&tl, ProposerAcceptorMessage::Greeting(g.clone()));
+        let start = Lsn(SEG);
+        elect(&tl, 1, &[(1, start)]);
+        let mut wal = WalGenerator::new(42, SEG, start).unwrap();
+        // Durable and committed (persisted), so recovery starts here...
+        let mut durable = Vec::new();
+        wal.fill(&mut durable, 50_000, &[1; 200]);
+        let committed = wal.lsn();
+        append(&tl, 1, start, &durable, committed, true);
+        assert!(tl.maybe_persist(true).unwrap());
+        // ...and written but never fsynced (within the segment: completing one syncs it).
+        let mut cached = Vec::new();
+        wal.fill(&mut cached, 500_000, &[2; 3000]);
+        append(&tl, 1, committed, &cached, Lsn::INVALID, false);
+        assert_eq!(tl.positions().flush_lsn, committed);
+        drop((tl, timelines));
+        sim.process_crash();
+
+        let timelines = load(&fs);
+        let tl = timelines.get(&g.ttid()).expect("the timeline loads");
+        let revealed = vote(&tl, 2).flush_lsn;
+        assert_eq!(revealed, wal.lsn(), "recovery decodes the page cache");
+        drop((tl, timelines));
+        sim.power_loss(&mut |_| 0);
+
+        let timelines = load(&fs);
+        let tl = timelines.get(&g.ttid()).expect("the timeline loads");
+        let flush = tl.positions().flush_lsn;
+        assert!(
+            flush >= revealed,
+            "a vote revealed flush LSN {revealed}, but after a power loss WAL ends at {flush}"
+        );
+    }
 }

@@ -274,92 +274,26 @@ where
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
-    use bytes::{Bytes, BytesMut};
+    use bytes::BytesMut;
     use pg_wal::generator::WalGenerator;
     use pq_proto::backend::decode_backend;
     use pq_proto::replication::ReplicationMessage;
     use pq_proto::server::ServerConfig;
-    use sk_core::protocol::{
-        AppendRequest, AppendRequestHeader, ProposerAcceptorMessage, ProposerElected,
-        ProposerGreeting, VoteRequest,
-    };
-    use sk_core::state::Configuration;
-    use sk_core::storage::fs::SimFs;
-    use sk_core::types::{Generation, NodeId, TenantId, TermHistory, TermLsn, TimelineId};
+    use sk_core::protocol::ProposerAcceptorMessage;
     use tokio::io::AsyncReadExt;
 
     use super::*;
-    use crate::registry::GlobalTimelines;
+    use crate::test_util::{elect_and_append, greeting, run, sim_node};
 
     const SEG: u64 = 1 << 20;
-
-    fn run(tl: &Timeline, msg: ProposerAcceptorMessage) {
-        tl.process_msg(&msg)
-            .expect("the acceptor takes the message");
-    }
-
-    /// Votes for `term`, is elected with `history` (whose last entry is `term`), and streams
-    /// `wal` from the start of that entry.
-    fn elect_and_append(tl: &Timeline, term: u64, history: &[(u64, Lsn)], wal: &[u8]) {
-        let term = Term(term);
-        run(
-            tl,
-            ProposerAcceptorMessage::VoteRequest(VoteRequest {
-                generation: Generation(0),
-                term,
-            }),
-        );
-        let start = history.last().expect("a history").1;
-        run(
-            tl,
-            ProposerAcceptorMessage::Elected(ProposerElected {
-                generation: Generation(0),
-                term,
-                start_streaming_at: start,
-                term_history: TermHistory(
-                    history
-                        .iter()
-                        .map(|&(t, lsn)| TermLsn { term: Term(t), lsn })
-                        .collect(),
-                ),
-            }),
-        );
-        for (i, piece) in wal.chunks(MAX_SEND_SIZE).enumerate() {
-            let begin = Lsn(start.0 + (i * MAX_SEND_SIZE) as u64);
-            run(
-                tl,
-                ProposerAcceptorMessage::AppendRequest(AppendRequest {
-                    h: AppendRequestHeader {
-                        generation: Generation(0),
-                        term,
-                        begin_lsn: begin,
-                        end_lsn: Lsn(begin.0 + piece.len() as u64),
-                        commit_lsn: Lsn::INVALID,
-                        truncate_lsn: Lsn::INVALID,
-                    },
-                    wal_data: Bytes::copy_from_slice(piece),
-                }),
-            );
-        }
-    }
 
     /// A new term truncates and rewrites the WAL while a `(term='1')` walsender is between its
     /// term check and its read (a test hook runs there). The reader must get only term 1's
     /// bytes, and the stream must end with an error naming the term change.
     #[tokio::test]
     async fn a_term_reader_never_gets_wal_a_new_term_wrote_after_its_check() {
-        let (_sim, fs) = SimFs::with_dir(Path::new("/data"));
-        let timelines = GlobalTimelines::load_in(fs, Path::new("/data"), NodeId(1), false).unwrap();
-        let greeting = ProposerGreeting {
-            tenant_id: TenantId([1; 16]),
-            timeline_id: TimelineId([2; 16]),
-            mconf: Configuration::default(),
-            pg_version: 150000,
-            system_id: 42,
-            wal_seg_size: SEG as u32,
-        };
+        let (_sim, _fs, timelines) = sim_node();
+        let greeting = greeting(2, SEG);
         let tl = timelines.get_or_create(&greeting, true).unwrap();
         run(&tl, ProposerAcceptorMessage::Greeting(greeting));
 

@@ -45,7 +45,7 @@ use sk_core::types::Lsn;
 use prepare::Preparer;
 pub use prepare::{Background, Inline, PREPARED_SEGMENT_NAME, Runner, Threads};
 pub use reader::{MAX_READ_LEN, WalReader};
-pub use recovery::{find_end_of_wal, verify_committed_wal};
+pub use recovery::{find_end_of_wal, sync_recovered_wal, verify_committed_wal};
 pub use segment::{PARTIAL_SUFFIX, TMP_SEGMENT_NAME, segment_path};
 use segment::{SegmentFile, create_segment, open_segment, write_zeros};
 
@@ -132,7 +132,8 @@ impl WalFileStore {
     /// Opens the WAL in `dir` (created if missing) with segments of `seg_size` bytes, recovering
     /// the end of WAL by decoding from `commit_lsn` (the control file's). With `commit_lsn`
     /// invalid (0) the store starts empty. Fails, naming both LSNs, if the WAL on disk ends
-    /// below `commit_lsn`: committed WAL would be lost. Writes are refused until the first
+    /// below `commit_lsn`: committed WAL would be lost. Every byte recovery decoded is made
+    /// durable before this returns ([`sync_recovered_wal`]). Writes are refused until the first
     /// [`WalStore::truncate_wal`].
     pub fn open(
         dir: impl Into<PathBuf>,
@@ -167,6 +168,11 @@ impl WalFileStore {
                          refusing to start, committed WAL would be lost"
                     ),
                 });
+            }
+            // Every byte recovery decoded is durable before the store reports it: a crash
+            // that kept the page cache may have left it un-synced.
+            if !opts.no_sync {
+                sync_recovered_wal(fs, &dir, seg_size, commit_lsn, end)?;
             }
             end
         } else {

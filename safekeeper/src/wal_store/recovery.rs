@@ -10,7 +10,8 @@ use std::path::Path;
 
 use pg_wal::WalStreamDecoder;
 use pg_wal::format::{PageHeader, XLOG_PAGE_MAGIC, is_valid_seg_size};
-use sk_core::storage::fs::{Fs, read_full_at};
+use sk_core::storage::durable::{fsync_dir, fsync_or_abort};
+use sk_core::storage::fs::{Fs, SyncKind, read_full_at};
 use sk_core::storage::{Error, Result};
 use sk_core::types::Lsn;
 
@@ -91,6 +92,35 @@ pub fn find_end_of_wal(
         }
     }
     Ok(decoder.last_record_end())
+}
+
+/// Makes the WAL that recovery decoded durable before anyone sees it: fsyncs every segment
+/// from the one holding `from` (the persisted commit LSN, where decoding started) to the one
+/// holding the last byte before `end`, then the directory `dir` (renames of completed segments,
+/// the control file's last rename), or aborts through [`fsync_or_abort`].
+///
+/// Why: after `kill -9`, or the abort that follows a failed fsync, the bytes the dead process
+/// wrote may still be only in the page cache. Recovery decodes them like any other, and the
+/// store reports them as durable (`flush_lsn`): the first vote or walsender would reveal WAL a
+/// power loss can still take away. PostgreSQL fsyncs its data directory at crash recovery
+/// (`recovery_init_sync_method`) and neon's safekeeper syncs its datadir before serving, for the
+/// same reason. Below `from` nothing needs it: the commit LSN never passes a process's durable
+/// end of WAL (`flush_lsn`), and each process made durable what it recovered.
+pub fn sync_recovered_wal(fs: &Fs, dir: &Path, seg_size: u64, from: Lsn, end: Lsn) -> Result<()> {
+    let first = from.segment_number(seg_size);
+    let last = if end > from {
+        Lsn(end.0 - 1).segment_number(seg_size)
+    } else {
+        first
+    };
+    for segno in first..=last {
+        if let Some((f, path)) = open_segment_ro(fs, dir, segno, seg_size)? {
+            // fsync, not fdatasync: the dead process may have changed the size (a truncation).
+            fsync_or_abort(&*f, &path, SyncKind::All);
+        }
+    }
+    fsync_dir(fs, dir);
+    Ok(())
 }
 
 /// Decodes every record of the committed WAL, `[from, commit)`, checking page headers, CRC-32C

@@ -222,7 +222,7 @@ impl FileSystem for RealFs {
 
 // ----- the simulated file system --------------------------------------------------------------
 
-/// An in-memory file system that can lose power.
+/// An in-memory file system that can lose power, or see its process crash.
 ///
 /// Every file (inode) keeps its durable content and the operations applied since its last
 /// fsync; every directory keeps its durable entries and the entry operations since its last
@@ -477,6 +477,24 @@ impl SimFs {
         report
     }
 
+    /// Simulates a process crash (`kill -9`, the abort after a failed fsync): every open handle
+    /// dies, but the machine keeps running, so the page cache survives: operations no fsync
+    /// covered stay visible *and* pending (a later [`SimFs::power_loss`] can still forget
+    /// them). A restarted process therefore reads bytes that are not durable, which is what
+    /// start-up recovery must make durable before revealing them.
+    ///
+    /// If a crash point armed with [`SimFs::arm_crash_after`] was reached, the process died
+    /// *there*: operations from that point on never happened (the ones before it stay pending).
+    pub fn process_crash(&self) {
+        let mut st = self.lock();
+        st.epoch += 1;
+        st.crash_in = None;
+        if let Some(image) = st.crash_image.take() {
+            st.inodes = image.inodes;
+            st.dirs = image.dirs;
+        }
+    }
+
     /// Arms a crash point: the power fails just before the mutating operation (write, size
     /// change, creation, rename, deletion, fsync) numbered `ops` from now (0 = the next one).
     /// Operations go on working in memory, as a process does not notice; the caller then calls
@@ -702,7 +720,7 @@ impl SimFile {
         let mut st = lock(&self.state);
         if st.epoch != self.epoch || !st.inodes.contains_key(&self.ino) {
             return Err(io::Error::other(
-                "stale handle: the simulated machine lost power",
+                "stale handle: the simulated process crashed or the machine lost power",
             ));
         }
         f(&mut st, self.ino)
@@ -793,6 +811,28 @@ mod tests {
         assert_eq!(read_all(&fs, "/d/a").unwrap(), b"durable");
         let err = f.write_all_at(b"x", 0).unwrap_err();
         assert!(err.to_string().contains("lost power"), "{err}");
+    }
+
+    #[test]
+    fn a_process_crash_keeps_unsynced_operations_pending_until_a_power_loss() {
+        let (sim, fs) = sim();
+        let f = create(&fs, "/d/a");
+        sync_dir(&fs);
+        f.write_all_at(b"durable", 0).unwrap();
+        f.sync(SyncKind::Data).unwrap();
+        f.write_all_at(b"-cached", 7).unwrap();
+        create(&fs, "/d/b");
+        sim.process_crash();
+        let err = f.write_all_at(b"x", 0).unwrap_err();
+        assert!(err.to_string().contains("lost power"), "{err}");
+        // The restarted process sees the page cache...
+        assert_eq!(read_all(&fs, "/d/a").unwrap(), b"durable-cached");
+        assert!(fs.exists(Path::new("/d/b")));
+        // ...which a later power loss can still take away.
+        let report = sim.power_loss(&mut |_| 0);
+        assert_eq!((report.file_ops_lost, report.dir_ops_lost), (1, 1));
+        assert_eq!(read_all(&fs, "/d/a").unwrap(), b"durable");
+        assert!(!fs.exists(Path::new("/d/b")));
     }
 
     #[test]

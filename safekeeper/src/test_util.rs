@@ -1,0 +1,121 @@
+//! Helpers shared by the crate's unit tests: drive a [`Timeline`] as a proposer would.
+//!
+//! Not here: the integration tests' proposer over TCP (`tests/common`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use sk_core::protocol::{
+    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, MAX_SEND_SIZE,
+    ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
+};
+use sk_core::state::Configuration;
+use sk_core::storage::fs::{Fs, SimFs};
+use sk_core::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
+
+use crate::registry::GlobalTimelines;
+use crate::timeline::Timeline;
+
+/// The data directory of simulated nodes.
+pub const DATADIR: &str = "/data";
+
+/// A greeting for timeline `tl` of tenant 1 with segments of `seg_size` bytes.
+pub fn greeting(tl: u8, seg_size: u64) -> ProposerGreeting {
+    ProposerGreeting {
+        tenant_id: TenantId([1; 16]),
+        timeline_id: TimelineId([tl; 16]),
+        mconf: Configuration::default(),
+        pg_version: 150000,
+        system_id: 42,
+        wal_seg_size: seg_size as u32,
+    }
+}
+
+/// An empty node on a simulated file system.
+pub fn sim_node() -> (Arc<SimFs>, Fs, GlobalTimelines) {
+    let (sim, fs) = SimFs::with_dir(Path::new(DATADIR));
+    let timelines = load(&fs);
+    (sim, fs, timelines)
+}
+
+/// Loads the node in [`DATADIR`] of `fs`.
+pub fn load(fs: &Fs) -> GlobalTimelines {
+    GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false)
+        .expect("the node loads")
+}
+
+/// Runs `msg` through the timeline's acceptor, which must take it.
+pub fn run(tl: &Timeline, msg: ProposerAcceptorMessage) -> Option<AcceptorProposerMessage> {
+    tl.process_msg(&msg)
+        .expect("the acceptor takes the message")
+}
+
+/// Asks for a vote in `term`.
+pub fn vote(tl: &Timeline, term: u64) -> VoteResponse {
+    match run(
+        tl,
+        ProposerAcceptorMessage::VoteRequest(VoteRequest {
+            generation: Generation(0),
+            term: Term(term),
+        }),
+    ) {
+        Some(AcceptorProposerMessage::VoteResponse(v)) => v,
+        other => panic!("expected a vote response, got {other:?}"),
+    }
+}
+
+/// Votes for `term` and is elected with `history` (whose last entry is `term`'s start).
+pub fn elect(tl: &Timeline, term: u64, history: &[(u64, Lsn)]) {
+    assert!(vote(tl, term).vote_given);
+    let start = history.last().expect("a history").1;
+    run(
+        tl,
+        ProposerAcceptorMessage::Elected(ProposerElected {
+            generation: Generation(0),
+            term: Term(term),
+            start_streaming_at: start,
+            term_history: TermHistory(
+                history
+                    .iter()
+                    .map(|&(t, lsn)| TermLsn { term: Term(t), lsn })
+                    .collect(),
+            ),
+        }),
+    );
+}
+
+/// Appends `wal` from `start` in `term`, in pieces of at most `MAX_SEND_SIZE`, each made durable
+/// (`flush`) or only written (the WAL acceptor's `NoFlushAppendRequest`).
+pub fn append(tl: &Timeline, term: u64, start: Lsn, wal: &[u8], commit: Lsn, flush: bool) {
+    for (i, piece) in wal.chunks(MAX_SEND_SIZE).enumerate() {
+        let begin = Lsn(start.0 + (i * MAX_SEND_SIZE) as u64);
+        let m = AppendRequest {
+            h: AppendRequestHeader {
+                generation: Generation(0),
+                term: Term(term),
+                begin_lsn: begin,
+                end_lsn: Lsn(begin.0 + piece.len() as u64),
+                commit_lsn: commit,
+                truncate_lsn: Lsn::INVALID,
+            },
+            wal_data: Bytes::copy_from_slice(piece),
+        };
+        run(
+            tl,
+            if flush {
+                ProposerAcceptorMessage::AppendRequest(m)
+            } else {
+                ProposerAcceptorMessage::NoFlushAppendRequest(m)
+            },
+        );
+    }
+}
+
+/// Votes for `term`, is elected with `history`, and appends `wal` durably from the start of
+/// `term`'s entry.
+pub fn elect_and_append(tl: &Timeline, term: u64, history: &[(u64, Lsn)], wal: &[u8]) {
+    elect(tl, term, history);
+    let start = history.last().expect("a history").1;
+    append(tl, term, start, wal, Lsn::INVALID, true);
+}
