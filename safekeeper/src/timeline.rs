@@ -415,6 +415,7 @@ impl TimelineError {
             | TimelineError::BadSegmentSize(_)
             | TimelineError::Storage(
                 storage::Error::Corruption { .. }
+                | storage::Error::WalCorruption { .. }
                 | storage::Error::NoSpace(_)
                 | storage::Error::Io { .. }
                 | storage::Error::Rejected(_),

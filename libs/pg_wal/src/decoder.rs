@@ -143,6 +143,8 @@ pub struct WalStreamDecoder {
     start: u64,
     /// The body bytes being consumed are such a tail: no header, no CRC to check.
     skipping_tail: bool,
+    /// Start and `xl_prev` of the first record whose CRC this decoder checked.
+    first_checked: Option<(u64, u64)>,
 }
 
 impl WalStreamDecoder {
@@ -175,6 +177,7 @@ impl WalStreamDecoder {
             error,
             start: start.0,
             skipping_tail: false,
+            first_checked: None,
         }
     }
 
@@ -197,6 +200,20 @@ impl WalStreamDecoder {
     /// The error decoding stopped at, if any.
     pub fn error(&self) -> Option<&DecodeError> {
         self.error.as_ref()
+    }
+
+    /// Start of the last record whose CRC checked out, if this decoder has seen one (or was
+    /// told one with [`WalStreamDecoder::with_prev`]): what the next record's `xl_prev` must be.
+    pub fn last_valid_record_start(&self) -> Option<Lsn> {
+        self.prev_rec.map(Lsn)
+    }
+
+    /// `(start, xl_prev)` of the first record this decoder checked completely (CRC included),
+    /// if any. A record tail skipped at a page that continues a record from before the start
+    /// does not count: it has no header or CRC to check.
+    pub fn first_checked_record(&self) -> Option<(Lsn, Lsn)> {
+        self.first_checked
+            .map(|(start, prev)| (Lsn(start), Lsn(prev)))
     }
 
     /// Feeds the next bytes of the stream and returns the end of the last complete record in
@@ -419,6 +436,7 @@ impl WalStreamDecoder {
             ));
         }
         self.prev_rec = Some(self.rec_start);
+        self.first_checked.get_or_insert((self.rec_start, h.prev.0));
         self.rec_hdr_got = 0;
         let until = if h.rmid == RM_XLOG_ID && h.info & XLR_RMGR_INFO_MASK == XLOG_SWITCH {
             let until = self.lsn.div_ceil(self.seg_size) * self.seg_size;

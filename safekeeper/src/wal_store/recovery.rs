@@ -1,22 +1,65 @@
 //! Recovery: finding the end of WAL at start-up ([`find_end_of_wal`], decoding from the
-//! persisted `commit_lsn`) and verifying the committed WAL below it ([`verify_committed_wal`]).
-//! Both decode records (page headers, CRC-32C, `xl_prev` links); together they refuse a timeline
-//! whose committed WAL is missing or corrupt.
+//! persisted `commit_lsn`), making what it decoded durable ([`sync_recovered_wal`]) and verifying
+//! the committed WAL below it ([`verify_committed_wal`]). All decode records (page headers,
+//! CRC-32C, `xl_prev` links); together they refuse a timeline whose committed WAL is missing or
+//! corrupt.
+//!
+//! ## A torn tail or corruption in the middle of the log?
+//!
+//! Decoding from the commit LSN stops at the first page or record that does not decode, at X.
+//! That is the end of WAL only if nothing acknowledged lies beyond X; otherwise taking X as the
+//! end silently drops acknowledged (maybe quorum-committed) WAL. As etcd's WAL (`isTornEntry`)
+//! and raft-engine (`TolerateTailCorruption` vs. `AbsoluteConsistency`) do, recovery tells the
+//! two apart ([`check_tail`]):
+//!
+//! 1. Look forward from X, at every 8-byte aligned position, for *valid WAL*: a record whose
+//!    CRC-32C checks out (when the position is a page start: after a page header with the right
+//!    magic, flags and `xlp_pageaddr`, and the tail of a continued record) and whose `xl_prev`
+//!    points at or after the last valid record before X (a record that follows the damage
+//!    chains back into it) and before itself.
+//! 2. Stop at the first *never-written* sector: an aligned 512-byte sector that reads as zeros
+//!    (or is absent: a short or missing segment file), or the zero rest of X's own sector. An
+//!    `fdatasync` covers every earlier write of the file, so WAL beyond such a hole was never
+//!    acknowledged: it is an out-of-order writeback after a power loss, or the zeroed tail every
+//!    segment has past the end of WAL. Found nothing valid before it → a **torn tail**: the WAL
+//!    ends at the last valid record before X (and the next truncation zeroes the rest).
+//! 3. Found valid WAL at V with no never-written sector in `[X, V)` → the bytes at X were
+//!    written and then damaged: **corruption**, start-up refuses with
+//!    [`Error::WalCorruption`] naming the segment, X, what was expected there and V.
+//!
+//! Refinements, and the holes they close:
+//! - A record *at* X whose CRC is valid but whose `xl_prev` does not link to the previous record
+//!   is stale (an older generation's record: PostgreSQL's guard against recycled pages). That is
+//!   an end of WAL, not corruption. (A bit flip in `xl_prev` breaks the CRC, which covers it.)
+//! - Valid WAL found from a page start may lie past a never-written sector inside the record
+//!   tail that page continues; it counts only if `[X, V)` has no such sector.
+//! - Every segment past the end of WAL is zero there (created blank; a truncation zeroes the tail
+//!   of its segment and fsyncs it before removing later segments), so a normal start-up finds a
+//!   zero sector at once and reads one page.
+//!
+//! What it cannot tell: corruption of a record that legitimately contains a 512-byte run of
+//! zeros (a full-page image of an empty page) looks like a torn tail, as in etcd. The commit-LSN
+//! check below still refuses a WAL that ends below the persisted commit LSN, and
+//! [`verify_committed_wal`] refuses any damage below it.
 //!
 //! Not here: acting on the result (the store refuses to open when WAL ends below `commit_lsn`:
 //! [`super::WalFileStore::open`]; the timeline refuses to start on a verification failure).
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
-use pg_wal::WalStreamDecoder;
-use pg_wal::format::{PageHeader, XLOG_PAGE_MAGIC, is_valid_seg_size};
+use pg_wal::format::{
+    MAX_RECORD_LEN, PageHeader, SIZE_OF_XLOG_RECORD, XLOG_PAGE_MAGIC, is_valid_rmid,
+    is_valid_seg_size, page_header_size,
+};
+use pg_wal::{DecodeError, DecodeErrorKind, WalStreamDecoder, XLOG_BLCKSZ};
 use sk_core::storage::durable::{fsync_dir, fsync_or_abort};
 use sk_core::storage::fs::{Fs, SyncKind, read_full_at};
 use sk_core::storage::{Error, Result};
 use sk_core::types::Lsn;
 
 use super::reader::WalReader;
-use super::segment::open_segment_ro;
+use super::segment::{SegmentFile, open_segment_ro, segment_path};
 
 /// Bytes read per call while recovering.
 const RECOVERY_READ_CHUNK: usize = 128 << 10;
@@ -25,7 +68,9 @@ const VERIFY_READ_CHUNK: u64 = 4 << 20;
 
 /// Start-up recovery: the end of the last valid record of the WAL in `dir`, decoding from the
 /// record boundary `start` (the persisted `commit_lsn`). Decoding stops at the first invalid
-/// page header or record, a missing segment or a short file.
+/// page header or record, a missing segment or a short file. An invalid page or record followed
+/// by valid WAL is corruption, not the end of WAL: [`Error::WalCorruption`] (see the module
+/// documentation for the rule).
 ///
 /// The result is below `start` when WAL that must precede `start` is missing: the segment
 /// holding `start` is absent (and `start` is not its first byte), or, when `wal_start` is valid
@@ -81,7 +126,8 @@ pub fn find_end_of_wal(
                 return Ok(decoder.last_record_end());
             }
             if let Err(e) = decoder.feed(&buf[..n]) {
-                tracing::info!(file = %path.display(), "end of WAL: {e}");
+                check_tail(fs, dir, seg_size, &e, decoder.last_valid_record_start())?;
+                tracing::info!(file = %path.display(), "end of WAL (a torn or zeroed tail): {e}");
                 return Ok(decoder.last_record_end());
             }
             off += n as u64;
@@ -168,4 +214,227 @@ pub fn verify_committed_wal(
         )));
     }
     Ok(())
+}
+
+/// Sector size of the torn-write rule: the unit a disk writes atomically.
+const SECTOR: u64 = 512;
+/// Pages kept by a [`TailScan`] before it forgets them all.
+const SCAN_CACHE_PAGES: usize = 4096;
+
+/// Decoding stopped with `err` (at X); `prev_floor` is the start of the last valid record
+/// before X, if known. `Ok` if X is a torn tail (the end of WAL), [`Error::WalCorruption`] if
+/// valid WAL follows it without a never-written sector in between. See the module docs.
+fn check_tail(
+    fs: &Fs,
+    dir: &Path,
+    seg_size: u64,
+    err: &DecodeError,
+    prev_floor: Option<Lsn>,
+) -> Result<()> {
+    let x = err.lsn;
+    let mut scan = TailScan::new(fs, dir, seg_size);
+    // The rest of X's own sector never written: the usual end of WAL (zeros after the last
+    // record).
+    let sector_end = x.0.next_multiple_of(SECTOR);
+    if sector_end > x.0 && scan.all_zero(x, Lsn(sector_end))? {
+        return Ok(());
+    }
+    // A record at X with a valid CRC is a stale one whose `xl_prev` does not link: the end.
+    if let Some((v, _)) = scan.checked_record_from(x)?
+        && v == x
+    {
+        return Ok(());
+    }
+    let mut p = x.0;
+    loop {
+        if p.is_multiple_of(SECTOR) && scan.all_zero(Lsn(p), Lsn(p + SECTOR))? {
+            return Ok(()); // a never-written sector before any valid WAL: a torn tail
+        }
+        if let Some((v, prev)) = scan.checked_record_from(Lsn(p))?
+            && prev < v
+            && prev_floor.is_none_or(|floor| prev >= floor)
+            && !scan.zero_sector_in(Lsn(p), v)?
+        {
+            let (expected, found) = expected_found(err);
+            return Err(Error::WalCorruption {
+                file: scan.segment_name(x).display().to_string(),
+                lsn: x,
+                expected,
+                found,
+                valid_at: v,
+            });
+        }
+        p += 8;
+    }
+}
+
+/// What a valid WAL has where `err` stopped decoding, and what was there instead.
+fn expected_found(err: &DecodeError) -> (String, String) {
+    use DecodeErrorKind as K;
+    let lsn = err.lsn;
+    match &err.kind {
+        K::BadCrc { got, computed } => (
+            format!("a record whose CRC-32C field matches its bytes ({computed:#010X})"),
+            format!("CRC field {got:#010X}"),
+        ),
+        K::BadMagic(m) => (
+            format!("a page header with magic {XLOG_PAGE_MAGIC:#06X}"),
+            format!("magic {m:#06X}"),
+        ),
+        K::BadPageAddr { got } => (
+            format!("a page header with xlp_pageaddr {lsn}"),
+            format!("xlp_pageaddr {got}"),
+        ),
+        K::BadPrevLink { got, expected } => (
+            format!("a record whose xl_prev is the previous record {expected}"),
+            format!("xl_prev {got}"),
+        ),
+        K::BadRemLen { got, expected } => (
+            format!("a continuation page with xlp_rem_len {expected}"),
+            format!("xlp_rem_len {got}"),
+        ),
+        K::RecordTooShort(n) | K::RecordTooLong(n) => (
+            format!("a record length from {SIZE_OF_XLOG_RECORD} to {MAX_RECORD_LEN}"),
+            format!("xl_tot_len {n}"),
+        ),
+        K::BadRmgr(r) => (
+            "a PostgreSQL 15 resource manager id".to_string(),
+            format!("xl_rmid {r}"),
+        ),
+        other => ("valid WAL".to_string(), other.to_string()),
+    }
+}
+
+/// Reads the WAL after the point where decoding stopped, page by page (absent bytes of a short
+/// or missing segment read as never written), for [`check_tail`].
+struct TailScan<'a> {
+    fs: &'a Fs,
+    dir: &'a Path,
+    seg_size: u64,
+    segments: HashMap<u64, Option<SegmentFile>>,
+    /// Page start → the bytes of that page present on disk (shorter than a page, or empty,
+    /// when the file ends or is missing).
+    pages: HashMap<u64, Vec<u8>>,
+}
+
+impl<'a> TailScan<'a> {
+    fn new(fs: &'a Fs, dir: &'a Path, seg_size: u64) -> TailScan<'a> {
+        TailScan {
+            fs,
+            dir,
+            seg_size,
+            segments: HashMap::new(),
+            pages: HashMap::new(),
+        }
+    }
+
+    fn segment_name(&self, lsn: Lsn) -> PathBuf {
+        let segno = lsn.segment_number(self.seg_size);
+        let partial = segment_path(self.dir, segno, self.seg_size, true);
+        if self.fs.exists(&partial) {
+            partial
+        } else {
+            segment_path(self.dir, segno, self.seg_size, false)
+        }
+    }
+
+    /// The bytes of the page starting at `page` that exist on disk.
+    fn page(&mut self, page: Lsn) -> Result<&[u8]> {
+        if !self.pages.contains_key(&page.0) {
+            if self.pages.len() >= SCAN_CACHE_PAGES {
+                self.pages.clear();
+            }
+            let segno = page.segment_number(self.seg_size);
+            if !self.segments.contains_key(&segno) {
+                let f = open_segment_ro(self.fs, self.dir, segno, self.seg_size)?.map(|(f, _)| f);
+                self.segments.insert(segno, f);
+            }
+            let mut bytes = vec![0u8; XLOG_BLCKSZ as usize];
+            let n = match &self.segments[&segno] {
+                Some(f) => read_full_at(&**f, &mut bytes, page.segment_offset(self.seg_size))
+                    .map_err(|e| Error::io(format!("reading WAL at {page}"), e))?,
+                None => 0,
+            };
+            bytes.truncate(n);
+            self.pages.insert(page.0, bytes);
+        }
+        Ok(&self.pages[&page.0])
+    }
+
+    /// Whether `[from, to)` (inside one page) reads as zeros or is absent: never written.
+    fn all_zero(&mut self, from: Lsn, to: Lsn) -> Result<bool> {
+        let page = from.page_start();
+        let (a, b) = (from.page_offset() as usize, (to.0 - page.0) as usize);
+        let bytes = self.page(page)?;
+        Ok(bytes
+            .get(a..b.min(bytes.len()))
+            .is_none_or(|r| r.iter().all(|&x| x == 0)))
+    }
+
+    /// Whether an aligned sector inside `[from, to)` was never written.
+    fn zero_sector_in(&mut self, from: Lsn, to: Lsn) -> Result<bool> {
+        let mut s = from.0.next_multiple_of(SECTOR);
+        while s + SECTOR <= to.0 {
+            if self.all_zero(Lsn(s), Lsn(s + SECTOR))? {
+                return Ok(true);
+            }
+            s += SECTOR;
+        }
+        Ok(false)
+    }
+
+    /// Decodes from `p` (a candidate record or page start) until the first record whose CRC
+    /// checks out, and returns its `(start, xl_prev)`; `None` if decoding fails first or the
+    /// bytes run out. Cheap for most positions: a plausible header is checked before decoding.
+    fn checked_record_from(&mut self, p: Lsn) -> Result<Option<(Lsn, Lsn)>> {
+        let seg_size = self.seg_size;
+        let off = p.page_offset() as usize;
+        {
+            let page = self.page(p.page_start())?;
+            if off == 0 {
+                let ok = PageHeader::decode(page)
+                    .is_some_and(|h| h.magic == XLOG_PAGE_MAGIC && h.pageaddr == p);
+                if !ok {
+                    return Ok(None);
+                }
+            } else {
+                if off < page_header_size(p.page_start(), seg_size) || off + 4 > page.len() {
+                    return Ok(None);
+                }
+                let tot_len =
+                    u32::from_le_bytes([page[off], page[off + 1], page[off + 2], page[off + 3]]);
+                if !(SIZE_OF_XLOG_RECORD as u32..=MAX_RECORD_LEN).contains(&tot_len) {
+                    return Ok(None);
+                }
+                if page.get(off + 17).is_some_and(|&rmid| !is_valid_rmid(rmid)) {
+                    return Ok(None);
+                }
+            }
+        }
+        let mut dec = WalStreamDecoder::new(p, seg_size);
+        let mut at = p;
+        loop {
+            let page_start = at.page_start();
+            let from = (at.0 - page_start.0) as usize;
+            let page = self.page(page_start)?;
+            if page.len() <= from {
+                return Ok(None); // ran out of written bytes
+            }
+            let full = page.len() == XLOG_BLCKSZ as usize;
+            let bytes = page[from..].to_vec();
+            // Records after the first checked one may fail (the bytes run into zeros): the
+            // first one counts.
+            let failed = dec.feed(&bytes).is_err();
+            if let Some(found) = dec.first_checked_record() {
+                return Ok(Some(found));
+            }
+            if failed {
+                return Ok(None);
+            }
+            if !full {
+                return Ok(None);
+            }
+            at = Lsn(page_start.0 + XLOG_BLCKSZ);
+        }
+    }
 }

@@ -462,21 +462,144 @@ fn torn_tail_truncated_to_last_valid_record() {
     assert_eq!(reopen(dir.path(), commit).unwrap().flush_lsn(), pos[1].end);
 }
 
-#[test]
-fn corrupt_record_in_the_middle_stops_recovery_there() {
-    let dir = tempfile::tempdir().unwrap();
-    let start = Lsn(SEG);
-    let mut s = fresh(dir.path(), start);
-    let (bytes, pos) = gen_wal(start, &[100; 20]);
-    s.write_wal(start, &bytes).unwrap();
+/// Writes `bytes` (WAL from `start`) durably into a fresh store in `dir` and returns the path
+/// of segment `segno` and its content.
+fn written(dir: &Path, start: Lsn, bytes: &[u8], segno: u64) -> (PathBuf, Vec<u8>) {
+    let mut s = fresh(dir, start);
+    s.write_wal(start, bytes).unwrap();
     s.flush_wal().unwrap();
     drop(s);
-    let path = segment_path(dir.path(), 1, SEG, true);
-    let mut data = std::fs::read(&path).unwrap();
+    let path = segment_path(dir, segno, SEG, true);
+    let path = if path.exists() {
+        path
+    } else {
+        segment_path(dir, segno, SEG, false)
+    };
+    let data = std::fs::read(&path).unwrap();
+    (path, data)
+}
+
+/// Issue 13, item 3: a damaged record followed by valid WAL (no never-written sector between)
+/// is corruption in the middle of the log, not its end: start-up refuses, naming the segment
+/// file, the LSN and what was expected there, instead of silently dropping the records after
+/// it.
+#[test]
+fn corrupt_record_in_the_middle_refuses_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Lsn(SEG);
+    let (bytes, pos) = gen_wal(start, &[100; 20]);
+    let (path, mut data) = written(dir.path(), start, &bytes, 1);
     data[pos[10].start.segment_offset(SEG) as usize + 60] ^= 0x20;
     std::fs::write(&path, &data).unwrap();
-    let s = reopen(dir.path(), pos[3].end).unwrap();
-    assert_eq!(s.flush_lsn(), pos[9].end);
+    let err = reopen(dir.path(), pos[3].end).unwrap_err();
+    let Error::WalCorruption {
+        file,
+        lsn,
+        expected,
+        valid_at,
+        ..
+    } = &err
+    else {
+        panic!("expected WAL corruption, got {err}");
+    };
+    assert_eq!(*file, path.display().to_string());
+    assert_eq!((*lsn, *valid_at), (pos[10].start, pos[11].start));
+    assert!(expected.contains("CRC"), "{expected}");
+    let msg = err.to_string();
+    for part in [path.display().to_string(), pos[10].start.to_string()] {
+        assert!(msg.contains(&part), "{msg} lacks {part}");
+    }
+}
+
+/// The same for a damaged page header in the middle of a segment, and for a damaged record at
+/// the end of one segment with valid WAL in the next.
+#[test]
+fn corrupt_page_header_or_record_before_valid_wal_refuses_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Lsn(SEG);
+    let (bytes, pos) = gen_wal(start, &[3000; 40]);
+    let (path, pristine) = written(dir.path(), start, &bytes, 1);
+    let mut data = pristine.clone();
+    data[3 * 8192] ^= 0x01; // the magic of the fourth page
+    std::fs::write(&path, &data).unwrap();
+    let err = reopen(dir.path(), pos[0].end).unwrap_err();
+    assert!(
+        matches!(err, Error::WalCorruption { lsn, .. } if lsn == Lsn(SEG + 3 * 8192)),
+        "{err}"
+    );
+    assert!(err.to_string().contains("magic"), "{err}");
+
+    // The record crossing into segment 2 damaged in segment 1; segment 2 valid.
+    let dir = tempfile::tempdir().unwrap();
+    let start = Lsn(2 * SEG - 4 * 8192);
+    let (bytes, pos) = gen_wal(start, &[1000; 60]);
+    let across = pos
+        .iter()
+        .position(|p| p.start.0 < 2 * SEG && p.end.0 > 2 * SEG)
+        .unwrap();
+    assert!(pos.last().unwrap().start.0 > 2 * SEG + 8192);
+    let (path, mut data) = written(dir.path(), start, &bytes, 1);
+    data[(pos[across].start.segment_offset(SEG) + 30) as usize] ^= 0x04;
+    std::fs::write(&path, &data).unwrap();
+    let err = reopen(dir.path(), pos[0].end).unwrap_err();
+    assert!(
+        matches!(err, Error::WalCorruption { lsn, valid_at, .. }
+            if lsn == pos[across].start && valid_at == pos[across + 1].start),
+        "{err}"
+    );
+}
+
+/// A page that never reached the disk in the middle of the unsynced tail (writeback out of
+/// order before a power loss) is a torn tail even with valid WAL after it: an `fdatasync`
+/// covers every earlier write, so nothing past the hole was acknowledged. The same for a
+/// zeroed 512-byte sector inside a record (etcd's `TestRepairWriteTearMiddle`).
+#[test]
+fn never_written_hole_before_valid_wal_is_a_torn_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Lsn(SEG);
+    let (bytes, pos) = gen_wal(start, &[3000; 40]);
+    let (path, pristine) = written(dir.path(), start, &bytes, 1);
+    let hole = 5 * 8192;
+    let before_hole = pos
+        .iter()
+        .rfind(|p| p.end.0 <= SEG + hole as u64)
+        .unwrap()
+        .end;
+    let mut data = pristine.clone();
+    data[hole..hole + 8192].fill(0);
+    std::fs::write(&path, &data).unwrap();
+    assert_eq!(
+        reopen(dir.path(), pos[0].end).unwrap().flush_lsn(),
+        before_hole
+    );
+
+    let mut data = pristine.clone();
+    let victim = pos[20];
+    let sector = (victim.start.segment_offset(SEG) as usize).next_multiple_of(512) + 512;
+    assert!(sector + 512 < victim.end.segment_offset(SEG) as usize);
+    data[sector..sector + 512].fill(0);
+    std::fs::write(&path, &data).unwrap();
+    assert_eq!(
+        reopen(dir.path(), pos[0].end).unwrap().flush_lsn(),
+        pos[19].end
+    );
+}
+
+/// A record after the end whose CRC is valid but whose `xl_prev` does not link to the last
+/// record is stale (an older generation's), as PostgreSQL treats it: the end of WAL, not
+/// corruption.
+#[test]
+fn stale_record_after_the_end_is_the_end_of_wal() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Lsn(SEG + 8192);
+    let (bytes, pos) = gen_wal(start, &[500; 10]);
+    let end = pos[9].end;
+    let (stale, _) = gen_wal_from(end, Lsn(SEG + 16), &[500; 5]);
+    let (path, mut data) = written(dir.path(), start, &bytes, 1);
+    let off = end.segment_offset(SEG) as usize;
+    data[off..off + stale.len()].copy_from_slice(&stale);
+    std::fs::write(&path, &data).unwrap();
+    assert_eq!(reopen(dir.path(), pos[2].end).unwrap().flush_lsn(), end);
 }
 
 #[test]

@@ -35,6 +35,27 @@ pub enum Error {
         /// What was wrong.
         reason: String,
     },
+    /// WAL that does not decode at `lsn` although valid WAL follows it (at `valid_at`), with
+    /// no never-written (all-zero) sector in between: corruption in the middle of the log, not
+    /// a torn tail. Start-up refuses it: taking `lsn` as the end of WAL would silently drop the
+    /// acknowledged WAL after it.
+    #[error(
+        "corruption in {file} at {lsn}: expected {expected}, found {found}; valid WAL follows \
+         at {valid_at}, so this is not a torn tail: refusing to start (acknowledged WAL after \
+         the damage would be lost)"
+    )]
+    WalCorruption {
+        /// The segment file holding `lsn`.
+        file: String,
+        /// Where the damaged page or record starts.
+        lsn: Lsn,
+        /// What a valid WAL has there.
+        expected: String,
+        /// What was found instead.
+        found: String,
+        /// Start of the first valid record after the damage.
+        valid_at: Lsn,
+    },
     /// The disk is full. Nothing was acknowledged; the write may be retried when space returns.
     #[error("no space left on device while {0}")]
     NoSpace(String),
