@@ -17,11 +17,11 @@
 //! store).
 
 use crate::format::{
-    LongPageHeader, MAX_RECORD_LEN, PG_TLI, PageHeader, RM_LOGICALMSG_ID, SIZE_OF_LOGICAL_MESSAGE,
-    SIZE_OF_XLOG_LONG_PHD, SIZE_OF_XLOG_RECORD, SIZE_OF_XLOG_SHORT_PHD, WalStartError,
-    XLOG_LOGICAL_MESSAGE, XLOG_PAGE_MAGIC, XLOG_RECORD_CRC_OFFS, XLP_FIRST_IS_CONTRECORD,
-    XLP_LONG_HEADER, XLR_BLOCK_ID_DATA_LONG, XLR_BLOCK_ID_DATA_SHORT, XLogRecordHeader,
-    check_record_boundary, is_valid_seg_size,
+    LongPageHeader, MAX_RECORD_LEN, PG_TLI, PageHeader, RM_LOGICALMSG_ID, RM_XLOG_ID,
+    SIZE_OF_LOGICAL_MESSAGE, SIZE_OF_XLOG_LONG_PHD, SIZE_OF_XLOG_RECORD, SIZE_OF_XLOG_SHORT_PHD,
+    WalStartError, XLOG_LOGICAL_MESSAGE, XLOG_PAGE_MAGIC, XLOG_RECORD_CRC_OFFS, XLOG_SWITCH,
+    XLP_FIRST_IS_CONTRECORD, XLP_LONG_HEADER, XLR_BLOCK_ID_DATA_LONG, XLR_BLOCK_ID_DATA_SHORT,
+    XLogRecordHeader, check_record_boundary, is_valid_seg_size,
 };
 use crate::lsn::{Lsn, XLOG_BLCKSZ};
 
@@ -193,6 +193,44 @@ impl WalGenerator {
             data_end,
             end,
             tot_len,
+        }
+    }
+
+    /// Appends an `XLOG_SWITCH` record (what `pg_switch_wal()` writes: a bare 24-byte header,
+    /// rmid 0, info 0x40) and the rest of its segment as PostgreSQL 15 leaves it: zeros, page
+    /// headers included (`CopyXLogRecordToWAL` zeroes the padding pages' headers too). The
+    /// record's end, like PostgreSQL's `EndRecPtr` after it, is the next segment's start; the
+    /// next record goes there, after a long page header, with `xl_prev` = the switch.
+    pub fn append_switch(&mut self, out: &mut Vec<u8>) -> RecordPos {
+        let mut header = XLogRecordHeader {
+            tot_len: SIZE_OF_XLOG_RECORD as u32,
+            xid: self.xid,
+            prev: self.prev,
+            info: XLOG_SWITCH,
+            rmid: RM_XLOG_ID,
+            crc: 0,
+        }
+        .encode();
+        let crc = crc32c::crc32c(&header[..XLOG_RECORD_CRC_OFFS]);
+        header[XLOG_RECORD_CRC_OFFS..].copy_from_slice(&crc.to_le_bytes());
+        let chunk_start = self.lsn;
+        if self.lsn.page_offset() == 0 {
+            self.page_header(out, 0);
+        }
+        let start = self.lsn;
+        let mut remaining = SIZE_OF_XLOG_RECORD as u32;
+        self.emit(out, &header, &mut remaining);
+        let data_end = self.lsn;
+        let end = Lsn(self.lsn.0.next_multiple_of(self.seg_size));
+        out.resize(out.len() + (end.0 - self.lsn.0) as usize, 0);
+        self.lsn = end;
+        self.prev = start;
+        RecordPos {
+            chunk_start,
+            start,
+            data_end,
+            end,
+            tot_len: SIZE_OF_XLOG_RECORD as u32,
         }
     }
 

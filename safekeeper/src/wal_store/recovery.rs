@@ -4,13 +4,25 @@
 //! CRC-32C, `xl_prev` links); together they refuse a timeline whose committed WAL is missing or
 //! corrupt.
 //!
+//! ## WAL that ends with an `XLOG_SWITCH`
+//!
+//! After a switch record (rmid 0, info 0x40: `pg_switch_wal()`, `archive_timeout`, some
+//! checkpoints) the rest of the segment is padding and WAL continues at the next segment's
+//! start; PostgreSQL's `EndRecPtr` after the record *is* that start, and so is the flush LSN the
+//! safekeeper acknowledges. PostgreSQL 15 writes the padding as zeros, page headers included
+//! (checked with `pg_waldump` and `xxd` on a real segment). The decoder skips the padding
+//! unread; start-up needs one more rule: when recovery starts at a segment boundary and the
+//! page before it has a zero header, that is a switch's padding, not missing WAL, if the
+//! segment's last written page (and the one before it, for a switch header split across
+//! pages) decodes up to exactly the segment end (`segment_ends_with_switch`).
+//!
 //! ## A torn tail or corruption in the middle of the log?
 //!
 //! Decoding from the commit LSN stops at the first page or record that does not decode, at X.
 //! That is the end of WAL only if nothing acknowledged lies beyond X; otherwise taking X as the
 //! end silently drops acknowledged (maybe quorum-committed) WAL. As etcd's WAL (`isTornEntry`)
 //! and raft-engine (`TolerateTailCorruption` vs. `AbsoluteConsistency`) do, recovery tells the
-//! two apart ([`check_tail`]):
+//! two apart (`check_tail`):
 //!
 //! 1. Look forward from X, at every 8-byte aligned position, for *valid WAL*: a record whose
 //!    CRC-32C checks out (when the position is a page start: after a page header with the right
@@ -54,7 +66,7 @@ use pg_wal::format::{
 };
 use pg_wal::{DecodeError, DecodeErrorKind, WalStreamDecoder, XLOG_BLCKSZ};
 use sk_core::storage::durable::{fsync_dir, fsync_or_abort};
-use sk_core::storage::fs::{Fs, SyncKind, read_full_at};
+use sk_core::storage::fs::{FileHandle, Fs, SyncKind, read_full_at};
 use sk_core::storage::{Error, Result};
 use sk_core::types::Lsn;
 
@@ -94,13 +106,18 @@ pub fn find_end_of_wal(
         let Some((f, path)) = open_segment_ro(fs, dir, probe_seg, seg_size)? else {
             return Ok(probe.segment_start(seg_size));
         };
-        let mut hdr = [0u8; 24];
         let page = probe.page_start();
-        let ok = f
-            .read_exact_at(&mut hdr, page.segment_offset(seg_size))
-            .ok()
-            .and_then(|()| PageHeader::decode(&hdr))
-            .is_some_and(|h| h.magic == XLOG_PAGE_MAGIC && h.pageaddr == page);
+        let ok = match page_header_at(&*f, page, seg_size) {
+            Some(hdr) if hdr == [0; 24] => {
+                // Zeros: never written, or the padding after an XLOG_SWITCH (PostgreSQL zeroes
+                // the padding pages' headers too), which is WAL that ends at the segment end.
+                start.segment_offset(seg_size) == 0
+                    && segment_ends_with_switch(&*f, start.0 - seg_size, seg_size, wal_start)
+            }
+            Some(hdr) => PageHeader::decode(&hdr)
+                .is_some_and(|h| h.magic == XLOG_PAGE_MAGIC && h.pageaddr == page),
+            None => false,
+        };
         if !ok {
             tracing::warn!(file = %path.display(), %page, "no valid page header below the start of recovery");
             return Ok(page);
@@ -138,6 +155,53 @@ pub fn find_end_of_wal(
         }
     }
     Ok(decoder.last_record_end())
+}
+
+/// The 24 bytes of the short header of `page` (in the segment open as `f`), if readable.
+fn page_header_at(f: &dyn FileHandle, page: Lsn, seg_size: u64) -> Option<[u8; 24]> {
+    let mut hdr = [0u8; 24];
+    f.read_exact_at(&mut hdr, page.segment_offset(seg_size))
+        .ok()
+        .map(|()| hdr)
+}
+
+/// Whether the segment starting at `seg_start` (open as `f`) ends with an `XLOG_SWITCH`: its
+/// last written page (the last one whose header is not zeros) and the page before it, if any
+/// and not below `wal_start`'s page, decode up to exactly the segment end, which only a switch
+/// record's padding reaches. Starting one page early covers a switch whose header is split
+/// across two pages; a page that continues a long record is decoded from its continuation.
+fn segment_ends_with_switch(
+    f: &dyn FileHandle,
+    seg_start: u64,
+    seg_size: u64,
+    wal_start: Lsn,
+) -> bool {
+    let lowest = wal_start.page_start().0.max(seg_start);
+    let mut last = seg_start + seg_size - XLOG_BLCKSZ;
+    loop {
+        match page_header_at(f, Lsn(last), seg_size) {
+            Some(hdr) if hdr == [0; 24] => {}
+            Some(_) => break,
+            None => return false,
+        }
+        if last <= lowest {
+            return false;
+        }
+        last -= XLOG_BLCKSZ;
+    }
+    let from = if last >= lowest + XLOG_BLCKSZ {
+        last - XLOG_BLCKSZ
+    } else {
+        last
+    };
+    let mut bytes = vec![0u8; (last + XLOG_BLCKSZ - from) as usize];
+    if f.read_exact_at(&mut bytes, from - seg_start).is_err() {
+        return false;
+    }
+    let mut dec = WalStreamDecoder::new(Lsn(from), seg_size);
+    let _ = dec.feed(&bytes);
+    let seg_end = Lsn(seg_start + seg_size);
+    dec.last_record_end() == seg_end || dec.switch_end() == Some(seg_end)
 }
 
 /// Makes the WAL that recovery decoded durable before anyone sees it: fsyncs every segment

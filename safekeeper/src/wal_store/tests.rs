@@ -901,3 +901,129 @@ fn invalid_segment_sizes_are_refused() {
         assert!(WalFileStore::open(dir.path(), bad, Lsn::INVALID, opts()).is_err());
     }
 }
+
+/// Where an `XLOG_SWITCH` record sits in its segment.
+#[derive(Clone, Copy, Debug)]
+enum SwitchAt {
+    /// On the segment's last page (WAL fills the segment).
+    LastPage,
+    /// On the segment's first page.
+    FirstPage,
+    /// On a page a long record continues onto.
+    AfterLongRecord,
+    /// With its header split across two pages.
+    SplitHeader,
+}
+
+/// WAL from the segment start `start` whose last record is a switch placed as `at`, padded to
+/// the segment end as PostgreSQL does. Returns the bytes, the first record's end and the
+/// switch record's start.
+fn wal_ending_with_a_switch(seg: u64, start: Lsn, at: SwitchAt) -> (Vec<u8>, Lsn, Lsn) {
+    let mut g = WalGenerator::new(77, seg, start).unwrap();
+    let mut out = Vec::new();
+    let first = g.append_logical_message(&mut out, &[3; 100]).end;
+    match at {
+        SwitchAt::LastPage => {
+            while g.lsn().0 < start.0 + seg - 8192 {
+                g.append_logical_message(&mut out, &[4; 5000]);
+            }
+        }
+        SwitchAt::FirstPage => {}
+        SwitchAt::AfterLongRecord => {
+            g.append_logical_message(&mut out, &[5; 30_000]);
+        }
+        SwitchAt::SplitHeader => {
+            // Up to 8 bytes before the end of the second page: the header straddles it.
+            let room = (2 * 8192 - 8) - (g.lsn().0 - start.0) as usize;
+            // 69 bytes of headers and prefix, 24 of the continuation page header.
+            g.append_logical_message(&mut out, &vec![6; room - 69 - 24]);
+            assert_eq!(g.lsn().page_offset(), 8192 - 8);
+        }
+    }
+    let sw = g.append_switch(&mut out);
+    assert_eq!(sw.end, Lsn(start.0 + seg));
+    (out, first, sw.start)
+}
+
+/// Issue 13, item 1: WAL whose last record is an `XLOG_SWITCH` ends at the segment end (what
+/// the safekeeper acknowledged: the padding is part of the WAL). It survives a restart, clean
+/// or after a crash that kept only the page cache (and then a power loss), with 1 MiB and
+/// 16 MiB segments, the switch anywhere in its segment, and recovery starting at the segment
+/// boundary, at the switch record (inside the last written page) or earlier; a new term then
+/// continues into the next segment.
+#[test]
+fn wal_ending_with_a_switch_survives_restarts() {
+    for seg in [1 << 20, 16 << 20] {
+        for at in [
+            SwitchAt::LastPage,
+            SwitchAt::FirstPage,
+            SwitchAt::AfterLongRecord,
+            SwitchAt::SplitHeader,
+        ] {
+            for crash in [false, true] {
+                switch_case(seg, at, crash);
+            }
+        }
+    }
+}
+
+fn switch_case(seg: u64, at: SwitchAt, crash: bool) {
+    let case = format!("segment {seg}, switch {at:?}, crash {crash}");
+    let (sim, fs, dir) = sim_dir();
+    let start = Lsn(seg);
+    let boundary = Lsn(2 * seg);
+    let o = WalFileOptions {
+        fs,
+        wal_start_lsn: start,
+        ..opts()
+    };
+    let (wal, first_end, switch_start) = wal_ending_with_a_switch(seg, start, at);
+    let mut s = WalFileStore::open(dir, seg, Lsn::INVALID, o.clone()).unwrap();
+    s.initialize_first_segment(start).unwrap();
+    s.truncate_wal(start).unwrap();
+    s.write_wal(start, &wal).unwrap();
+    assert_eq!(
+        s.write_record_lsn(),
+        boundary,
+        "{case}: the record end is the segment end"
+    );
+    if crash {
+        // kill -9 right after the write, before any flush (completing the segment synced it).
+        drop(s);
+        sim.process_crash();
+    } else {
+        s.flush_wal().unwrap();
+        assert_eq!(s.flush_lsn(), boundary, "{case}");
+        drop(s);
+    }
+    for commit in [boundary, switch_start, first_end] {
+        let s = WalFileStore::open(dir, seg, commit, o.clone())
+            .unwrap_or_else(|e| panic!("{case}, recovery from {commit}: {e}"));
+        assert_eq!(s.flush_lsn(), boundary, "{case}, recovery from {commit}");
+        verify_committed_wal(&o.fs, dir, seg, start, commit).unwrap();
+    }
+    if crash {
+        // Recovery made what it decoded durable: a power loss now keeps it.
+        sim.power_loss(&mut |_| 0);
+        let s = WalFileStore::open(dir, seg, first_end, o.clone()).unwrap();
+        assert_eq!(s.flush_lsn(), boundary, "{case}, after a power loss");
+    }
+    // A new term continues in the next segment.
+    let mut s = WalFileStore::open(dir, seg, boundary, o.clone()).unwrap();
+    s.truncate_wal(boundary).unwrap();
+    let mut g = WalGenerator::new(77, seg, boundary)
+        .unwrap()
+        .with_prev(switch_start);
+    let mut next = Vec::new();
+    g.fill(&mut next, 20_000, &[9; 700]);
+    s.write_wal(boundary, &next).unwrap();
+    s.flush_wal().unwrap();
+    drop(s);
+    let s = WalFileStore::open(dir, seg, g.lsn(), o.clone()).unwrap();
+    assert_eq!(s.flush_lsn(), g.lsn(), "{case}");
+    let mut back = Vec::new();
+    s.read_wal(start, g.lsn(), &mut back).unwrap();
+    assert_eq!(&back[..wal.len()], &wal[..], "{case}");
+    assert_eq!(&back[wal.len()..], &next[..], "{case}");
+    verify_committed_wal(&o.fs, dir, seg, start, g.lsn()).unwrap();
+}
