@@ -1,12 +1,15 @@
 """Real PostgreSQL end to end: a real PG15 primary relayed by `walproposer --source postgres` into
 three safekeepers; a real PG15 hot standby (base backup taken with `-X none`, so every WAL byte it
 replays came from a safekeeper) streams from one safekeeper, then from another after the first
-stops; real `pg_receivewal` from a safekeeper gets segments byte-identical to the primary's."""
+stops; real `pg_receivewal` from a safekeeper gets segments byte-identical to the primary's.
+WAL whose last record is a `pg_switch_wal()` survives safekeeper restarts (issue 13)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import threading
@@ -17,7 +20,7 @@ import requests
 
 from fixtures.daemon import fmt_lsn, lsn_int
 from fixtures.pg import PgCluster, WalProposerRelay
-from fixtures.tools import require
+from fixtures.tools import require, require_pg_tool
 
 SEG = 16 << 20
 # Bigger values for the note's measurements; the defaults keep the test short.
@@ -283,5 +286,95 @@ def test_relay_from_inside_a_record_and_after_a_restart(safekeeper_factory, pg_f
         compared = receive_and_compare(primary, sks[2], end, tmp_path / "recv", seg)
         assert segment_name(first_seg, seg) in compared, compared
         assert len(compared) >= 3, compared
+    finally:
+        relay.kill()
+
+
+def pg_waldump_all(segment_dir, dest, start: int, end: int) -> str:
+    """Real pg_waldump over the segments in `segment_dir` (`.partial` ones renamed, as
+    pg_waldump wants plain names) from `start` to `end`; returns its output."""
+    dest.mkdir()
+    for p in segment_dir.iterdir():
+        if re.fullmatch(r"[0-9A-F]{24}(\.partial)?", p.name):
+            shutil.copy(p, dest / p.name.removesuffix(".partial"))
+    out = subprocess.run(
+        [require_pg_tool("pg_waldump"), "-p", str(dest), "-s", fmt_lsn(start), "-e", fmt_lsn(end)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.promise(2)
+@pytest.mark.parametrize("seg_mb", [1, 16])
+def test_wal_ending_with_a_switch_survives_sigterm_and_sigkill(
+    safekeeper_factory, pg_factory, tmp_path, seg_mb
+):
+    """Issue 13, item 1: a real primary's WAL whose last record is `pg_switch_wal()`'s
+    XLOG_SWITCH ends at a segment boundary, and the safekeepers acknowledge that boundary. Each
+    safekeeper restarts after SIGTERM (commit LSN persisted at the boundary: recovery starts
+    there) and then after SIGKILL; all must start. A new term continues into the next segment;
+    real pg_receivewal gets segments byte-identical to the primary's and real pg_waldump reads
+    all of it, the switch included."""
+    seg = seg_mb << 20
+    # No autovacuum: nothing but the test writes WAL, so the WAL can end with the switch.
+    primary = pg_factory("primary").init(f"--wal-segsize={seg_mb}", autovacuum="off").start()
+    primary.psql("SELECT pg_create_physical_replication_slot('wp', true)")
+    primary.psql("CREATE TABLE t AS SELECT g FROM generate_series(1, 5000) g")
+    sks = [safekeeper_factory(i).start() for i in (1, 2, 3)]
+
+    def new_relay(name: str) -> WalProposerRelay:
+        (tmp_path / name).mkdir()
+        return WalProposerRelay(sks, primary, "wp", tmp_path / name)
+
+    relay = new_relay("relay1")
+    try:
+        # The safekeepers' WAL must end exactly at the boundary: retry if the primary wrote a
+        # record after the switch (a background standby snapshot) before the relay stopped.
+        for attempt in range(5):
+            switch_end = lsn_int(primary.psql("SELECT pg_switch_wal()"))
+            boundary = (switch_end + seg - 1) // seg * seg
+            for sk in sks:
+                wait_committed(sk, boundary, relay)
+            relay.kill()
+            flushed = {lsn_int(timeline(sk)["flush_lsn"]) for sk in sks}
+            if flushed == {boundary}:
+                break
+            relay = new_relay(f"relay-retry{attempt}")
+            primary.psql("INSERT INTO t VALUES (-1)")
+        else:
+            pytest.fail(f"WAL never ended at the switch: {flushed}")
+        term = timeline(sks[0])["term"]
+
+        for sk in sks:
+            assert sk.stop() == 0, sk.log()
+            sk.start()  # recovery starts at the boundary: the persisted commit LSN
+            assert lsn_int(timeline(sk)["flush_lsn"]) == boundary, sk.log()
+            assert lsn_int(timeline(sk)["persisted_commit_lsn"]) == boundary
+            sk.kill()
+            sk.start()
+            assert lsn_int(timeline(sk)["flush_lsn"]) == boundary, sk.log()
+
+        # A new term streams on into the next segment.
+        relay = new_relay("relay2")
+        primary.psql("INSERT INTO t SELECT g FROM generate_series(1, 1000) g")
+        target = primary.current_lsn()
+        assert target > boundary + 40
+        end = min(lsn_int(wait_committed(sk, target, relay)["commit_lsn"]) for sk in sks)
+        assert timeline(sks[2])["term"] > term
+        relay.stop()
+
+        switched = boundary - seg
+        compared = receive_and_compare(primary, sks[1], end, tmp_path / "recv", seg)
+        assert segment_name(switched, seg) in compared, compared
+        tl = timeline(sks[2])
+        tl_dir = sks[2].datadir / tl["tenant_id"] / tl["timeline_id"]
+        dump = pg_waldump_all(tl_dir, tmp_path / "dump", switched, end)
+        assert "desc: SWITCH" in dump, dump[-2000:]
+        # The dump goes on past the switch: the new term's records in the next segment.
+        lsns = [lsn_int(m) for m in re.findall(r"lsn: ([0-9A-F]+/[0-9A-F]+),", dump)]
+        assert max(lsns) > boundary, dump[-2000:]
     finally:
         relay.kill()
