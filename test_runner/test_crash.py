@@ -3,7 +3,9 @@ safekeepers (and sometimes the proposer) are killed with SIGKILL and restarted. 
 acknowledgement (quorum commit) the proposers made is logged; at the end nothing acknowledged
 is lost and nothing unexpected appears (Jepsen's lost/unexpected counts).
 
-Promise checked: an acknowledged byte is never lost or changed; nothing is invented.
+Promise checked: an acknowledged byte is never lost or changed; nothing is invented. The
+proposers' `--ack-log` is a content ledger (a SHA-256 per acknowledged range), compared with the
+bytes on every safekeeper at the end.
 Knobs: CRASH_CYCLES (default 25), CRASH_SEED (default: random, printed)."""
 
 from __future__ import annotations
@@ -46,11 +48,37 @@ def spawn_proposer(sks, ack_log) -> subprocess.Popen:
     )
 
 
-def acked(ack_log) -> int:
+def ledger(ack_log) -> list[tuple[int, str | None]]:
+    """The proposers' `--ack-log`: `(end LSN, sha256 hex or None)` per line. A digest covers
+    the WAL from the previous line's end to this line's; a bare LSN marks where digests resume
+    (a new proposer) or an acknowledgement without one."""
     if not ack_log.exists():
-        return 0
-    lsns = [lsn_int(line) for line in ack_log.read_text().split() if "/" in line]
-    return max(lsns, default=0)
+        return []
+    out = []
+    for line in ack_log.read_text().splitlines():
+        parts = line.split()
+        out.append((lsn_int(parts[0]), parts[1] if len(parts) > 1 else None))
+    return out
+
+
+def acked(ack_log) -> int:
+    return max((end for end, _ in ledger(ack_log)), default=0)
+
+
+def check_ledger(lines: list[tuple[int, str | None]], wal: bytes, start: int) -> tuple[int, int]:
+    """Compares every acknowledged range's digest with `wal` (the bytes from `start`); returns
+    (ranges, bytes) checked, or fails naming the first range whose content differs."""
+    ranges = checked = 0
+    prev = None
+    for end, digest in lines:
+        if digest is not None:
+            assert prev is not None and start <= prev < end, f"ledger range [{prev}, {end})"
+            got = hashlib.sha256(wal[prev - start : end - start]).hexdigest()
+            assert got == digest, f"acknowledged WAL [{prev:X}, {end:X}) differs from what was sent"
+            ranges += 1
+            checked += end - prev
+        prev = end
+    return ranges, checked
 
 
 @pytest.mark.promise(2, 3)
@@ -88,7 +116,15 @@ def test_kill9_loop_loses_nothing_acknowledged(safekeeper_factory, tmp_path):
     synced = lsn_int(walproposer(sks, "--sync")["lsn"])
     walproposer(sks, "--total", "1M")  # streams past the sync point, so all catch up
     lost = max(0, max_acked - synced)
-    digests = {hashlib.sha256(read_wal(sk, lsn_int(START), max_acked)).hexdigest() for sk in sks}
+    # The content ledger: every acknowledged range's bytes, on every safekeeper, are the bytes
+    # the proposer that acknowledged them sent (LSNs alone would miss a changed byte).
+    lines = ledger(ack_log)
+    digests = set()
+    for sk in sks:
+        wal = read_wal(sk, lsn_int(START), max_acked)
+        ranges, ledger_bytes = check_ledger(lines, wal, lsn_int(START))
+        digests.add(hashlib.sha256(wal).hexdigest())
+    assert ranges > 0 and ledger_bytes > 0, "the ack log carries no digests"
 
     # Nothing unexpected: the WAL up to the sync point decodes in real pg_waldump, every record
     # one of the proposers' logical messages.
@@ -112,8 +148,24 @@ def test_kill9_loop_loses_nothing_acknowledged(safekeeper_factory, tmp_path):
     print(
         f"cycles={cycles} safekeeper_kills={sk_kills} proposer_kills={proposer_kills} "
         f"acknowledged_bytes={max_acked - lsn_int(START)} records={messages.group(1)} "
-        f"lost={lost} unexpected={unexpected} replicas_agree={len(digests) == 1}"
+        f"lost={lost} unexpected={unexpected} replicas_agree={len(digests) == 1} "
+        f"ledger_ranges={ranges} ledger_bytes={ledger_bytes}"
     )
     assert lost == 0
     assert unexpected == 0
     assert len(digests) == 1, "safekeepers disagree on acknowledged WAL"
+
+
+def test_content_ledger_catches_a_changed_byte_that_lsns_miss():
+    """The ledger check itself: the same LSNs with one byte changed fail (an LSN-only check
+    passes them). No daemon needed."""
+    start = lsn_int(START)
+    wal = bytes(range(256)) * 64
+    lines = [(start, None)]
+    for end in (start + 1000, start + 5000, start + len(wal)):
+        lines.append((end, hashlib.sha256(wal[lines[-1][0] - start : end - start]).hexdigest()))
+    assert check_ledger(lines, wal, start) == (3, len(wal))
+    changed = bytearray(wal)
+    changed[4321] ^= 1
+    with pytest.raises(AssertionError, match="differs from what was sent"):
+        check_ledger(lines, bytes(changed), start)

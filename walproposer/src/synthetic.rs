@@ -67,6 +67,15 @@ pub struct Stats {
 
 /// Generates and commits `opts.total_bytes` of WAL through `proposer`.
 pub async fn run(proposer: &Proposer, opts: &SyntheticOptions) -> Result<Stats, ProposerError> {
+    run_with_ledger(proposer, opts, None).await
+}
+
+/// [`run`], also recording every pushed chunk in `ledger` (before it is pushed).
+pub async fn run_with_ledger(
+    proposer: &Proposer,
+    opts: &SyntheticOptions,
+    ledger: Option<&AckLedger>,
+) -> Result<Stats, ProposerError> {
     let start = proposer.term_start_lsn();
     let prev = proposer.prev_record_start().await?;
     let seg = proposer.wal_seg_size() as u64;
@@ -119,7 +128,11 @@ pub async fn run(proposer: &Proposer, opts: &SyntheticOptions) -> Result<Stats, 
             .expect("pending lock")
             .push_back((end, Instant::now()));
         produced += buf.len() as u64;
-        proposer.push(at, Bytes::from(buf))?;
+        let buf = Bytes::from(buf);
+        if let Some(ledger) = ledger {
+            ledger.pushed(at, buf.clone());
+        }
+        proposer.push(at, buf)?;
         if let Some(rate) = opts.rate {
             let due = started + Duration::from_secs_f64(produced as f64 / rate as f64);
             tokio::time::sleep_until(due.into()).await;
@@ -155,4 +168,100 @@ pub async fn run(proposer: &Proposer, opts: &SyntheticOptions) -> Result<Stats, 
         commit_latency_p99_ms: pct(0.99),
         commit_latency_max_ms: pct(1.0),
     })
+}
+
+/// The content ledger behind `--ack-log`: the bytes this source pushed and not yet acknowledged,
+/// so that each acknowledgement (a quorum-commit advance) can carry a SHA-256 of the WAL it
+/// covers, and a test can compare those bytes on every safekeeper rather than only LSNs.
+#[derive(Debug, Default)]
+pub struct AckLedger {
+    state: Mutex<LedgerState>,
+}
+
+#[derive(Debug, Default)]
+struct LedgerState {
+    /// Where the next digest starts: the end of the last acknowledged range (or the first push).
+    hashed_to: Option<Lsn>,
+    /// Pushed chunks not yet wholly acknowledged, contiguous from `hashed_to`.
+    pending: VecDeque<(Lsn, Bytes)>,
+}
+
+impl AckLedger {
+    /// An empty ledger.
+    pub fn new() -> AckLedger {
+        AckLedger::default()
+    }
+
+    /// Records `wal`, about to be pushed at `at`. A chunk that does not continue the previous
+    /// ones starts the ledger afresh.
+    pub fn pushed(&self, at: Lsn, wal: Bytes) {
+        let mut st = self.state.lock().expect("ledger lock");
+        let next = match st.pending.back() {
+            Some((lsn, b)) => Some(Lsn(lsn.0 + b.len() as u64)),
+            None => st.hashed_to,
+        };
+        if next != Some(at) {
+            st.pending.clear();
+            st.hashed_to = Some(at);
+        }
+        st.pending.push_back((at, wal));
+    }
+
+    /// The acknowledgement of everything below `commit`: `(from, sha256 hex of [from, commit))`
+    /// over the pushed bytes not acknowledged before. `None` if `commit` is not above the
+    /// previous acknowledgement or goes past what was pushed (WAL this source did not push).
+    pub fn acknowledge(&self, commit: Lsn) -> Option<(Lsn, String)> {
+        use sha2::Digest;
+        let mut st = self.state.lock().expect("ledger lock");
+        let from = st.hashed_to?;
+        let pushed_end = st
+            .pending
+            .back()
+            .map(|(lsn, b)| Lsn(lsn.0 + b.len() as u64))?;
+        if commit <= from || commit > pushed_end {
+            return None;
+        }
+        let mut hasher = sha2::Sha256::new();
+        while let Some((lsn, bytes)) = st.pending.front_mut() {
+            let n = (commit.0 - lsn.0).min(bytes.len() as u64) as usize;
+            hasher.update(&bytes[..n]);
+            if n < bytes.len() {
+                *lsn = Lsn(lsn.0 + n as u64);
+                *bytes = bytes.slice(n..);
+                break;
+            }
+            st.pending.pop_front();
+        }
+        st.hashed_to = Some(commit);
+        let digest = hasher.finalize();
+        Some((from, digest.iter().map(|b| format!("{b:02x}")).collect()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn acknowledgements_digest_exactly_the_bytes_they_cover() {
+        use sha2::Digest;
+        let hex = |b: &[u8]| -> String {
+            sha2::Sha256::digest(b)
+                .iter()
+                .map(|x| format!("{x:02x}"))
+                .collect()
+        };
+        let ledger = AckLedger::new();
+        assert_eq!(ledger.acknowledge(Lsn(100)), None);
+        ledger.pushed(Lsn(100), Bytes::from_static(b"abcdef"));
+        ledger.pushed(Lsn(106), Bytes::from_static(b"ghij"));
+        assert_eq!(ledger.acknowledge(Lsn(103)), Some((Lsn(100), hex(b"abc"))));
+        assert_eq!(ledger.acknowledge(Lsn(103)), None, "nothing new");
+        assert_eq!(
+            ledger.acknowledge(Lsn(108)),
+            Some((Lsn(103), hex(b"defgh")))
+        );
+        assert_eq!(ledger.acknowledge(Lsn(111)), None, "past what was pushed");
+        assert_eq!(ledger.acknowledge(Lsn(110)), Some((Lsn(108), hex(b"ij"))));
+    }
 }

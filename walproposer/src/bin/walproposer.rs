@@ -1,6 +1,7 @@
 //! walproposer: elects itself over N safekeepers and streams WAL to them, committing on a
 //! quorum. Thin: flags, tracing, then `walproposer`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -8,7 +9,7 @@ use clap::{Parser, ValueEnum};
 use sk_core::types::{Lsn, TenantId, TenantTimelineId, TimelineId};
 use walproposer::conn::SafekeeperAddr;
 use walproposer::postgres::{self, ConnInfo, Primary, SourceOptions};
-use walproposer::synthetic::{self, SyntheticOptions};
+use walproposer::synthetic::{self, AckLedger, SyntheticOptions};
 use walproposer::{Proposer, ProposerConfig};
 
 profiling::global_allocator!();
@@ -56,7 +57,9 @@ struct Args {
     /// Password for safekeepers started with --pg-auth-token-file.
     #[arg(long, env = "WALPROPOSER_PASSWORD")]
     password: Option<String>,
-    /// Append every quorum-commit advance (an acknowledgement) to this file.
+    /// Append every quorum-commit advance (an acknowledgement) to this file: `<end LSN>` per
+    /// line, with the synthetic source `<end LSN> <sha256>` of the WAL from the previous line's
+    /// end.
     #[arg(long)]
     ack_log: Option<std::path::PathBuf>,
     /// Elect, make the end of WAL committed on a quorum, print that LSN, exit.
@@ -126,12 +129,16 @@ async fn main() {
     }
 }
 
-/// Appends every quorum-commit advance of `proposer` to `path` (one `X/X` line each, flushed to
-/// the OS at once), so a test can check that nothing acknowledged is ever lost. Ends when the
-/// proposer stops.
+/// Appends every quorum-commit advance of `proposer` to `path`, so a test can check that
+/// nothing acknowledged is ever lost. Each line is written with one `write` (a kill cannot tear
+/// it): `<end LSN>`, or with a `ledger` (the synthetic source) `<end LSN> <sha256 hex>` where the
+/// digest covers the WAL from the previous line's end to this one; a bare `<LSN>` line marks
+/// where digests resume (a new proposer, or a commit of WAL this process did not push). Ends
+/// when the proposer stops.
 fn spawn_ack_log(
     proposer: &Proposer,
     path: &std::path::Path,
+    ledger: Option<Arc<AckLedger>>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     use std::io::Write;
     let mut file = std::fs::OpenOptions::new()
@@ -142,14 +149,23 @@ fn spawn_ack_log(
     let mut rx = proposer.subscribe();
     Ok(tokio::spawn(async move {
         let mut logged = Lsn::INVALID;
+        let mut last_line_end = None;
         loop {
             let commit = rx.borrow_and_update().commit_lsn;
             if commit > logged {
-                if let Err(e) = writeln!(file, "{commit}") {
+                let line = match ledger.as_ref().and_then(|l| l.acknowledge(commit)) {
+                    Some((from, digest)) if last_line_end == Some(from) => {
+                        format!("{commit} {digest}\n")
+                    }
+                    Some((from, digest)) => format!("{from}\n{commit} {digest}\n"),
+                    None => format!("{commit}\n"),
+                };
+                if let Err(e) = file.write_all(line.as_bytes()) {
                     tracing::error!("writing the ack log: {e}");
                     return;
                 }
                 logged = commit;
+                last_line_end = Some(commit);
             }
             if rx.changed().await.is_err() {
                 return;
@@ -185,7 +201,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if matches!(args.source, Source::Postgres) {
         return relay_postgres(&args, cfg).await;
     }
-    let Some((proposer, ack_log)) = elect(&args, cfg).await? else {
+    let ledger = Arc::new(AckLedger::new());
+    let Some((proposer, ack_log)) = elect(&args, cfg, Some(ledger.clone())).await? else {
         return Ok(()); // --sync: done
     };
     match args.source {
@@ -196,7 +213,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 rate: args.rate,
                 ..SyntheticOptions::default()
             };
-            let stats = synthetic::run(&proposer, &opts).await?;
+            let stats = synthetic::run_with_ledger(&proposer, &opts, Some(&ledger)).await?;
             proposer.finish(Duration::from_secs(10)).await;
             if let Some(task) = ack_log {
                 let _ = task.await;
@@ -213,11 +230,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
 async fn elect(
     args: &Args,
     cfg: ProposerConfig,
+    ledger: Option<Arc<AckLedger>>,
 ) -> anyhow::Result<Option<(Proposer, Option<tokio::task::JoinHandle<()>>)>> {
     let proposer = Proposer::elect(cfg).await.context("election")?;
     tracing::info!(term = %proposer.term(), start = %proposer.term_start_lsn(), "elected");
     let ack_log = match &args.ack_log {
-        Some(path) => Some(spawn_ack_log(&proposer, path)?),
+        Some(path) => Some(spawn_ack_log(&proposer, path, ledger)?),
         None => None,
     };
     if args.sync {
@@ -240,7 +258,7 @@ async fn relay_postgres(args: &Args, cfg: ProposerConfig) -> anyhow::Result<()> 
         .await
         .context("connecting to the primary")?;
     let cfg = primary.proposer_config(cfg);
-    let Some((proposer, ack_log)) = elect(args, cfg).await? else {
+    let Some((proposer, ack_log)) = elect(args, cfg, None).await? else {
         return Ok(()); // --sync: done
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
