@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 
 import pytest
 import requests
 
-from fixtures.daemon import RELEASE_DIR, lsn_int
+from fixtures.daemon import RELEASE_DIR, lsn_int, max_acked, wait_until
 from fixtures.tools import before, receivewal
 
 
@@ -35,10 +34,6 @@ def failpoint(sk, name: str, active: bool) -> None:
     assert r.ok, r.text
 
 
-def max_acked(ack_log) -> int:
-    return max((lsn_int(x) for x in ack_log.read_text().split()), default=0)
-
-
 def test_unknown_failpoint_is_refused(safekeeper):
     r = requests.put(
         f"{safekeeper.http}/v1/failpoints", params={"name": "nope", "active": "true"}, timeout=5
@@ -52,9 +47,7 @@ def test_failed_fsync_aborts_and_nothing_undurable_is_claimed(safekeeper_factory
     sk = safekeeper_factory().start()
     ack_log = tmp_path / "acks"
     wp = spawn_proposer(sk, ack_log, "--total", "10G", "--rate", "8M")
-    time.sleep(1.5)
-    acked_before = max_acked(ack_log)
-    assert acked_before > 0
+    wait_until(lambda: max_acked(ack_log) > 0, "a first acknowledgement")
     failpoint(sk, "wal-fsync-error", True)
     # The next fsync fails: the process aborts instead of retrying.
     assert sk.proc.wait(timeout=20) == -6  # SIGABRT
@@ -73,12 +66,11 @@ def test_disk_full_fails_appends_keeps_serving_and_resumes(safekeeper_factory, t
     sk = safekeeper_factory().start()
     ack_log = tmp_path / "acks"
     wp = spawn_proposer(sk, ack_log, "--total", "24M", "--rate", "6M")
-    time.sleep(1.0)
+    wait_until(lambda: max_acked(ack_log) > 0, "a first acknowledgement")
     failpoint(sk, "wal-write-enospc", True)
-    time.sleep(2.0)
+    wait_until(lambda: "no space left on device" in sk.log(), "an append failing with ENOSPC")
     # Appends fail, the daemon stays up and answers.
     assert sk.proc.poll() is None
-    assert "no space left on device" in sk.log()
     stalled = max_acked(ack_log)
     assert requests.get(f"{sk.http}/v1/status", timeout=5).ok
     t = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()[0]
@@ -124,11 +116,11 @@ def test_real_full_filesystem_fails_appends_and_recovers_when_space_returns(
         wp = spawn_proposer(
             sk, ack_log, "--wal-seg-size", "1048576", "--total", "12M", "--rate", "4M"
         )
-        deadline = time.monotonic() + 30
-        while "no space left on device" not in sk.log():
-            assert time.monotonic() < deadline, "the filesystem never filled up"
-            assert wp.poll() is None, wp.stderr.read()
-            time.sleep(0.2)
+        wait_until(
+            lambda: "no space left on device" in sk.log() or wp.poll() is not None,
+            "the filesystem to fill up",
+        )
+        assert wp.poll() is None, wp.stderr.read()
         assert sk.proc.poll() is None
         assert requests.get(f"{sk.http}/v1/status", timeout=5).ok
         stalled = max_acked(ack_log)

@@ -17,7 +17,16 @@ import time
 import pytest
 import requests
 
-from fixtures.daemon import RELEASE_DIR, lsn_int, timeline_dir, walproposer
+from fixtures.daemon import (
+    RELEASE_DIR,
+    TENANT,
+    TIMELINE,
+    lsn_int,
+    max_acked,
+    timeline_dir,
+    wait_until,
+    walproposer,
+)
 
 
 @pytest.mark.promise(8)
@@ -39,16 +48,22 @@ def test_many_concurrent_cpu_profiles_get_one_200_and_409s(safekeeper):
 def test_hostile_pg_clients_are_contained(safekeeper):
     walproposer([safekeeper], "--total", "2M")
     rss_before = safekeeper.rss_bytes()
-    socks = []
-    # Many idle connections, some that announce a huge message and stall, some garbage.
+    socks, refused = [], []
+    # Many idle connections, some whose startup packet claims 2 GiB (refused at once), some
+    # garbage (refused at once too).
     for i in range(300):
         s = socket.create_connection(("127.0.0.1", safekeeper.pg_port))
         if i % 3 == 1:
             s.sendall(struct.pack("!I", 0x7FFFFFF0))  # a startup packet "of 2 GiB"
+            refused.append(s)
         elif i % 3 == 2:
             s.sendall(os.urandom(64))
+            refused.append(s)
         socks.append(s)
-    time.sleep(1)
+    # The daemon has dealt with every refused connection once each is closed from its side.
+    for s in refused:
+        s.settimeout(30)
+        wait_until(lambda s=s: closed_by_peer(s), "the daemon to refuse a hostile connection")
     rss_during = safekeeper.rss_bytes()
     # Honest clients keep working meanwhile.
     stats = walproposer([safekeeper], "--total", "4M")
@@ -59,6 +74,84 @@ def test_hostile_pg_clients_are_contained(safekeeper):
     growth = rss_during - rss_before
     print(f"RSS before {rss_before >> 20} MiB, with 300 hostile connections {rss_during >> 20} MiB")
     assert growth < 64 << 20, f"hostile connections grew RSS by {growth >> 20} MiB"
+    assert safekeeper.proc.poll() is None
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """Reads what the daemon sent (an error, maybe) until it closes the connection."""
+    try:
+        while s.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    return True
+
+
+def startup(port: int, *params: str) -> socket.socket:
+    """A PostgreSQL connection after its startup phase (trust), at ReadyForQuery."""
+    s = socket.create_connection(("127.0.0.1", port))
+    body = struct.pack("!I", 196608) + b"".join(p.encode() + b"\0" for p in params) + b"\0"
+    s.sendall(struct.pack("!I", 4 + len(body)) + body)
+    expect(s, b"Z")
+    return s
+
+
+def expect(s: socket.socket, tag: bytes) -> None:
+    """Reads backend messages until one tagged `tag`; fails on an ErrorResponse."""
+    while True:
+        head = recv_exact(s, 5)
+        body = recv_exact(s, struct.unpack("!I", head[1:])[0] - 4)
+        assert head[:1] != b"E", body
+        if head[:1] == tag:
+            return
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        assert chunk, "connection closed"
+        out += chunk
+    return out
+
+
+@pytest.mark.promise(8)
+def test_stalled_wal_push_frames_keep_memory_bounded_while_a_proposer_commits(safekeeper):
+    """The real stall: 200 connections each open `START_WAL_PUSH`, send a CopyData header that
+    announces ~1 MiB, 8 bytes of it, then nothing. The daemon buffers only what arrived (not
+    what was announced), so memory stays bounded while an honest proposer commits."""
+    walproposer([safekeeper], "--total", "2M")
+    rss_before = safekeeper.rss_bytes()
+    stalled = []
+    for _ in range(200):
+        s = startup(
+            safekeeper.pg_port,
+            "user",
+            "postgres",
+            "replication",
+            "true",
+            "options",
+            f"-c tenant_id={TENANT} timeline_id={TIMELINE}",
+        )
+        query = b"START_WAL_PUSH (proto_version '3')\0"
+        s.sendall(b"Q" + struct.pack("!I", 4 + len(query)) + query)
+        expect(s, b"W")  # CopyBothResponse
+        s.sendall(b"d" + struct.pack("!I", 4 + (1 << 20)) + b"g" + bytes(7))
+        stalled.append(s)
+    assert requests.get(f"{safekeeper.http}/v1/status", timeout=5).ok
+    rss_stalled = safekeeper.rss_bytes()
+    stats = walproposer([safekeeper], "--total", "8M")
+    assert stats["commit_lsn"] == stats["end_lsn"]
+    rss_after = safekeeper.rss_bytes()
+    growth = max(rss_stalled, rss_after) - rss_before
+    print(
+        f"RSS before {rss_before >> 20} MiB, with 200 stalled 1 MiB frames "
+        f"{rss_stalled >> 20} MiB, after an honest 8 MiB run {rss_after >> 20} MiB"
+    )
+    # Buffering the announced length would take 200 MiB; what arrived is a few kB each.
+    assert growth < 40 << 20, f"stalled frames grew RSS by {growth >> 20} MiB"
+    for s in stalled:
+        s.close()
     assert safekeeper.proc.poll() is None
 
 
@@ -74,13 +167,13 @@ def test_sigterm_during_ingestion_exits_promptly_keeping_acknowledged_wal(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    time.sleep(2)
+    wait_until(lambda: max_acked(ack_log) > lsn_int("0/1000000") + (8 << 20), "8 MiB acked")
     started = time.monotonic()
     assert sk.stop(timeout=5) == 0
     assert time.monotonic() - started < 5
     wp.send_signal(signal.SIGKILL)
     wp.wait()
-    acked = max(lsn_int(x) for x in ack_log.read_text().split())
+    acked = max_acked(ack_log)
     sk.start()
     t = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()[0]
     assert lsn_int(t["flush_lsn"]) >= acked, (t, acked)

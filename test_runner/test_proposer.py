@@ -6,12 +6,11 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import time
 
 import pytest
 import requests
 
-from fixtures.daemon import RELEASE_DIR, lsn_int, read_wal, walproposer
+from fixtures.daemon import RELEASE_DIR, lsn_int, read_wal, wait_until, walproposer
 
 
 def start_cluster(factory, n=3):
@@ -39,6 +38,15 @@ def timeline(sk) -> dict:
     return tls[0]
 
 
+def committed_everywhere(sks) -> int:
+    """The lowest commit LSN the safekeepers `sks` know (0 before they have a timeline)."""
+    lsns = []
+    for sk in sks:
+        tls = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()
+        lsns.append(lsn_int(tls[0]["commit_lsn"]) if tls else 0)
+    return min(lsns)
+
+
 def digest(sk, start: int, end: int) -> str:
     return hashlib.sha256(read_wal(sk, start, end)).hexdigest()
 
@@ -47,11 +55,17 @@ def digest(sk, start: int, end: int) -> str:
 def test_kill9_of_one_safekeeper_mid_stream_loses_nothing(safekeeper_factory):
     sks = start_cluster(safekeeper_factory)
     wp = spawn_proposer(sks, "--total", "160M", "--rate", "32M", "--record-size", "512")
-    time.sleep(1.5)
+    start = lsn_int("0/1000000")
+    wait_until(lambda: committed_everywhere(sks) > start + (8 << 20), "8 MiB committed")
     victim = sks[1]
     victim.kill()
-    time.sleep(1.5)
     # Writing continues on the remaining quorum.
+    rest = [sks[0], sks[2]]
+    at_kill = committed_everywhere(rest)
+    wait_until(
+        lambda: wp.poll() is not None or committed_everywhere(rest) > at_kill + (16 << 20),
+        "16 MiB more committed on the remaining quorum",
+    )
     assert wp.poll() is None, wp.stderr.read() if wp.stderr else ""
     victim.start()
     out, err = wp.communicate(timeout=120)
@@ -76,15 +90,10 @@ def test_competing_proposers_never_rewrite_committed_wal(safekeeper_factory):
     sks = start_cluster(safekeeper_factory)
     first = spawn_proposer(sks, "--total", "400M", "--rate", "40M")
     # Wait until some WAL is committed everywhere, and remember its digest.
-    deadline = time.monotonic() + 30
-    while True:
-        tls = [timeline(sk) for sk in sks] if all(_has_timeline(sk) for sk in sks) else []
-        if tls and min(lsn_int(t["commit_lsn"]) for t in tls) > lsn_int("0/1000000") + (4 << 20):
-            break
-        assert time.monotonic() < deadline, "nothing committed in time"
-        time.sleep(0.1)
     start = lsn_int("0/1000000")
-    committed = min(lsn_int(t["commit_lsn"]) for t in tls)
+    committed = wait_until(
+        lambda: (c := committed_everywhere(sks)) > start + (4 << 20) and c, "4 MiB committed"
+    )
     before = digest(sks[0], start, committed)
 
     # A second proposer elects itself with a higher term; the first steps down.
@@ -101,10 +110,6 @@ def test_competing_proposers_never_rewrite_committed_wal(safekeeper_factory):
     assert len({digest(sk, start, end) for sk in sks}) == 1
     terms = {timeline(sk)["term"] for sk in sks}
     assert terms == {2}, terms
-
-
-def _has_timeline(sk) -> bool:
-    return bool(requests.get(f"{sk.http}/v1/timelines", timeout=5).json())
 
 
 def test_sync_mode_commits_the_end_of_wal(safekeeper_factory):
