@@ -349,21 +349,14 @@ impl Collector for TimelineCollector {
 mod tests {
     use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, VoteRequest};
     use sk_core::storage::fs::SimFs;
-    use sk_core::types::{Generation, Term, TimelineId};
+    use sk_core::types::{Generation, Term};
 
     use super::*;
 
     const DATADIR: &str = "/data";
 
     fn greeting(tl: u8) -> ProposerGreeting {
-        ProposerGreeting {
-            tenant_id: TenantId([1; 16]),
-            timeline_id: TimelineId([tl; 16]),
-            mconf: Configuration::default(),
-            pg_version: 150000,
-            system_id: 42,
-            wal_seg_size: 16 << 20,
-        }
+        crate::test_util::greeting(tl, 16 << 20)
     }
 
     /// An empty node on a simulated file system: the registry touches no real file.

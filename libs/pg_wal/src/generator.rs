@@ -182,8 +182,22 @@ impl WalGenerator {
         self.scratch = scratch;
         // Pad to the next 8-byte boundary; page boundaries are 8-aligned, so this never
         // crosses a page.
-        let data_end = self.lsn;
         let end = self.lsn.align8().expect("LSN space exhausted");
+        self.end_record(out, chunk_start, start, end, tot_len)
+    }
+
+    /// The record that began at `start` (its bytes from `chunk_start`) has all its data out:
+    /// pads with zeros up to `end`, which becomes the next record's position, and returns where
+    /// it landed.
+    fn end_record(
+        &mut self,
+        out: &mut Vec<u8>,
+        chunk_start: Lsn,
+        start: Lsn,
+        end: Lsn,
+        tot_len: u32,
+    ) -> RecordPos {
+        let data_end = self.lsn;
         out.resize(out.len() + (end.0 - self.lsn.0) as usize, 0);
         self.lsn = end;
         self.prev = start;
@@ -220,18 +234,8 @@ impl WalGenerator {
         let start = self.lsn;
         let mut remaining = SIZE_OF_XLOG_RECORD as u32;
         self.emit(out, &header, &mut remaining);
-        let data_end = self.lsn;
         let end = Lsn(self.lsn.0.next_multiple_of(self.seg_size));
-        out.resize(out.len() + (end.0 - self.lsn.0) as usize, 0);
-        self.lsn = end;
-        self.prev = start;
-        RecordPos {
-            chunk_start,
-            start,
-            data_end,
-            end,
-            tot_len: SIZE_OF_XLOG_RECORD as u32,
-        }
+        self.end_record(out, chunk_start, start, end, SIZE_OF_XLOG_RECORD as u32)
     }
 
     /// One record as owned bytes `[pos.chunk_start, pos.end)`.
