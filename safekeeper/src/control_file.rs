@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use sk_core::state::{
     AcceptorState, Configuration, SafekeeperId, ServerInfo, TimelinePersistentState,
 };
-use sk_core::storage::durable::{durable_rename, fsync_or_abort};
+use sk_core::storage::durable::{durable_rename, fsync_dir, fsync_or_abort};
 use sk_core::storage::fs::{Fs, OpenMode, SyncKind, read_full_at};
 use sk_core::storage::{ControlStore, Error, Result};
 use sk_core::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TermLsn, TimelineId};
@@ -327,6 +327,13 @@ impl FileControlStore {
             });
         }
         let state = decode(&bytes, &path)?;
+        if !no_sync {
+            // After a crash the state just read may still be only in the page cache (a rename
+            // whose directory fsync never ran): make it durable before anything acts on it or
+            // reveals it (a vote already given in the term it holds, say).
+            fsync_or_abort(&*f, &path, SyncKind::All);
+            fsync_dir(&fs, &dir);
+        }
         Ok(FileControlStore {
             fs,
             dir,
@@ -545,5 +552,37 @@ mod tests {
             assert_eq!(loaded.acceptor_state.term, Term(term));
             assert!(!fs.exists(&dir.join(CONTROL_FILE_TMP_NAME)));
         }
+    }
+
+    /// A process that died between the rename and the directory fsync of a persist leaves the
+    /// new state visible but not durable; the restarted process reads it (and may act on it:
+    /// refuse a vote in that term). Loading makes it durable, so a later power loss cannot
+    /// bring the old state back.
+    #[test]
+    fn state_read_after_a_crash_survives_a_later_power_loss() {
+        use sk_core::storage::fs::SimFs;
+        let dir = Path::new("/tl");
+        let (sim, fs) = SimFs::with_dir(dir);
+        FileControlStore::create_new_in(fs.clone(), dir, sample(), false).unwrap();
+        let mut s = sample();
+        s.acceptor_state.term = Term(42);
+        // A persist cut short after its rename: the directory fsync never ran.
+        let tmp = dir.join(CONTROL_FILE_TMP_NAME);
+        let f = fs.open(&tmp, OpenMode::CreateTruncate).unwrap();
+        f.write_all_at(&encode(&s), 0).unwrap();
+        f.sync(SyncKind::All).unwrap();
+        drop(f);
+        fs.rename(&tmp, &dir.join(CONTROL_FILE_NAME)).unwrap();
+        sim.process_crash();
+        let loaded = FileControlStore::load_in(fs.clone(), dir, false).unwrap();
+        assert_eq!(loaded.acceptor_state.term, Term(42));
+        drop(loaded);
+        sim.power_loss(&mut |_| 0);
+        let after = FileControlStore::load_in(fs.clone(), dir, false).unwrap();
+        assert_eq!(
+            after.acceptor_state.term,
+            Term(42),
+            "the state a restarted process read came back older after a power loss"
+        );
     }
 }

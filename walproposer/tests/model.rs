@@ -37,6 +37,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use rand::rngs::SmallRng;
@@ -45,6 +46,7 @@ use rand::{Rng, SeedableRng};
 use pg_wal::format::page_header_size;
 use pg_wal::{WalGenerator, WalStreamDecoder};
 use safekeeper::control_file::FileControlStore;
+use safekeeper::wal_store::prepare::{Background, Inline};
 use safekeeper::wal_store::{WalFileOptions, WalFileStore};
 use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
 use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
@@ -77,12 +79,19 @@ trait Backend: Sized {
     /// Where the timeline's WAL begins (a page boundary).
     const START: Lsn;
 
-    fn new() -> Self;
+    fn new(rng: &mut SmallRng) -> Self;
     /// A fresh acceptor with an empty timeline.
     fn new_acceptor(&mut self, a: usize) -> Sk<Self>;
     /// Loses everything `sk`'s storage has not made durable and rebuilds the acceptor from
     /// what is left; returns it and a description of what was lost.
     fn power_loss(&mut self, a: usize, sk: Sk<Self>, rng: &mut SmallRng) -> (Sk<Self>, String);
+    /// The acceptor's process dies (`kill -9`, the abort after a failed fsync) and restarts on
+    /// the same machine: the page cache survives, so un-synced writes are still there (and still
+    /// un-synced, for a later power loss), and start-up recovery must make what it reads
+    /// durable before revealing it.
+    fn process_crash(&mut self, a: usize, sk: Sk<Self>) -> Sk<Self>;
+    /// Time passes (the clock of background segment preparation).
+    fn advance_clock(&mut self, _rng: &mut SmallRng) {}
     /// The acceptor's WAL `[start, end)` (below its flush LSN: durable), if held.
     fn read(sk: &Sk<Self>, start: Lsn, end: Lsn) -> Option<Vec<u8>>;
     /// Length of the message of the next record.
@@ -126,7 +135,7 @@ impl Backend for Mem {
     const SEG: u32 = 16 << 20;
     const START: Lsn = Lsn(0x0100_0000);
 
-    fn new() -> Mem {
+    fn new(_rng: &mut SmallRng) -> Mem {
         Mem
     }
 
@@ -148,6 +157,16 @@ impl Backend for Mem {
         (sk, format!("kept {keep} unsynced writes"))
     }
 
+    fn process_crash(&mut self, a: usize, sk: Sk<Mem>) -> Sk<Mem> {
+        // The fake has no page cache: a restart that reads every written byte and makes it
+        // durable (as the file store's start-up sync does) keeps all un-synced writes.
+        let (ctrl, mut wal) = sk.into_storage();
+        let all = wal.unsynced_write_count();
+        wal.power_loss_keeping(all);
+        SafeKeeper::new(NodeId(a as u64 + 1), ctrl, wal)
+            .unwrap_or_else(|e| panic!("acceptor a{a} cannot restart after a crash: {e}"))
+    }
+
     fn read(sk: &Sk<Mem>, start: Lsn, end: Lsn) -> Option<Vec<u8>> {
         sk.wal().read(start, end).map(<[u8]>::to_vec)
     }
@@ -160,6 +179,11 @@ impl Backend for Mem {
 /// The real file stores on a simulated file system per acceptor.
 struct SimFsBackend {
     fs: Vec<Arc<SimFs>>,
+    /// Per acceptor: the clock of its background segment preparation, which runs inline (so a
+    /// crash point can land inside it) and is moved by the schedule.
+    clocks: Vec<Arc<Inline>>,
+    /// `prepare_below_rate` of the stores: half the seeds prepare segments in the background.
+    prepare_below_rate: u64,
     /// Un-synced operations power losses forgot: file writes/size changes, directory entries.
     file_ops_lost: u64,
     dir_ops_lost: u64,
@@ -169,7 +193,12 @@ fn timeline_dir() -> PathBuf {
     PathBuf::from("/sk/tenant/timeline")
 }
 
-fn open_file_stores(fs: &Arc<SimFs>, a: usize) -> Result<Sk<SimFsBackend>, String> {
+fn open_file_stores(
+    fs: &Arc<SimFs>,
+    a: usize,
+    clock: &Arc<Inline>,
+    prepare_below_rate: u64,
+) -> Result<Sk<SimFsBackend>, String> {
     let dir = timeline_dir();
     let ctrl = FileControlStore::load_in(Fs::sim(fs.clone()), &dir, false)
         .map_err(|e| format!("loading the control file: {e}"))?;
@@ -177,6 +206,8 @@ fn open_file_stores(fs: &Arc<SimFs>, a: usize) -> Result<Sk<SimFsBackend>, Strin
         system_id: SYSTEM_ID,
         wal_start_lsn: ctrl.local_start_lsn,
         fs: Fs::sim(fs.clone()),
+        prepare_below_rate,
+        background: Background::new(clock.clone()),
         ..WalFileOptions::default()
     };
     let wal = WalFileStore::open(&dir, SimFsBackend::SEG as u64, ctrl.commit_lsn, opts)
@@ -194,9 +225,11 @@ impl Backend for SimFsBackend {
     /// written by `initialize_first_segment`) and most schedules cross into the next segment.
     const START: Lsn = Lsn(0x0110_0000 - (32 << 10));
 
-    fn new() -> SimFsBackend {
+    fn new(rng: &mut SmallRng) -> SimFsBackend {
         SimFsBackend {
             fs: (0..N_ACC).map(|_| SimFs::new()).collect(),
+            clocks: (0..N_ACC).map(|_| Inline::new()).collect(),
+            prepare_below_rate: if rng.random_bool(0.5) { 64 << 20 } else { 0 },
             file_ops_lost: 0,
             dir_ops_lost: 0,
         }
@@ -212,7 +245,8 @@ impl Backend for SimFsBackend {
             false,
         )
         .expect("a fresh control file");
-        open_file_stores(fs, a).expect("a fresh timeline starts")
+        open_file_stores(fs, a, &self.clocks[a], self.prepare_below_rate)
+            .expect("a fresh timeline starts")
     }
 
     fn power_loss(
@@ -230,9 +264,22 @@ impl Backend for SimFsBackend {
         });
         self.file_ops_lost += report.file_ops_lost as u64;
         self.dir_ops_lost += report.dir_ops_lost as u64;
-        let sk = open_file_stores(&self.fs[a], a)
+        let sk = open_file_stores(&self.fs[a], a, &self.clocks[a], self.prepare_below_rate)
             .unwrap_or_else(|e| panic!("acceptor a{a} cannot restart after power loss: {e}"));
         (sk, format!("{report:?}"))
+    }
+
+    fn process_crash(&mut self, a: usize, sk: Sk<SimFsBackend>) -> Sk<SimFsBackend> {
+        drop(sk.into_storage());
+        self.fs[a].process_crash();
+        open_file_stores(&self.fs[a], a, &self.clocks[a], self.prepare_below_rate)
+            .unwrap_or_else(|e| panic!("acceptor a{a} cannot restart after a crash: {e}"))
+    }
+
+    fn advance_clock(&mut self, rng: &mut SmallRng) {
+        for c in &self.clocks {
+            c.advance(Duration::from_millis(rng.random_range(0..20)));
+        }
     }
 
     fn read(sk: &Sk<SimFsBackend>, start: Lsn, end: Lsn) -> Option<Vec<u8>> {
@@ -278,6 +325,10 @@ impl Backend for SimFsBackend {
             ("dir_fsyncs", dir_fsyncs),
             ("file_ops_lost", self.file_ops_lost),
             ("dir_ops_lost", self.dir_ops_lost),
+            (
+                "seeds_preparing_segments",
+                u64::from(self.prepare_below_rate > 0),
+            ),
         ]
     }
 }
@@ -444,8 +495,11 @@ struct Stats {
     elections: u64,
     commits_observed: u64,
     power_losses: u64,
-    /// Power losses in the middle of a storage call.
+    /// Power losses or process crashes in the middle of a storage call.
     crash_points: u64,
+    /// Process crashes (the page cache survives), and power losses that came later.
+    process_crashes: u64,
+    power_losses_after_process_crash: u64,
     drops: u64,
     /// Connections dropped right after the acceptor processed `elected`.
     drops_after_elected: u64,
@@ -467,6 +521,8 @@ impl Stats {
         self.commits_observed += s.commits_observed;
         self.power_losses += s.power_losses;
         self.crash_points += s.crash_points;
+        self.process_crashes += s.process_crashes;
+        self.power_losses_after_process_crash += s.power_losses_after_process_crash;
         self.drops += s.drops;
         self.drops_after_elected += s.drops_after_elected;
         self.replies_duplicated += s.replies_duplicated;
@@ -522,6 +578,8 @@ struct Cluster<B: Backend> {
     fault_rate: f64,
     /// Per acceptor: how far its durable WAL's terms were checked.
     log_check: Vec<Option<LogCheck>>,
+    /// Per acceptor: a process crash happened since its last power loss.
+    crashed_since_power_loss: Vec<bool>,
     /// A directed scenario drives the steps itself: no random faults or batching in delivery.
     scripted: bool,
     stats: Stats,
@@ -559,7 +617,7 @@ impl<B: Backend> Cluster<B> {
     fn new(seed: u64, trace: bool) -> Cluster<B> {
         let mut rng = SmallRng::seed_from_u64(seed);
         let fault_rate = [0.005, 0.02, 0.06, 0.15][rng.random_range(0..4)];
-        let mut backend = B::new();
+        let mut backend = B::new(&mut rng);
         Cluster {
             rng,
             fault_rate,
@@ -582,6 +640,7 @@ impl<B: Backend> Cluster<B> {
             acc_flush_revealed: vec![Lsn(0); N_ACC],
             acc_commit_revealed: vec![Lsn(0); N_ACC],
             log_check: (0..N_ACC).map(|_| None).collect(),
+            crashed_since_power_loss: vec![false; N_ACC],
             scripted: false,
             stats: Stats::default(),
         }
@@ -616,15 +675,15 @@ impl<B: Backend> Cluster<B> {
         let (dirty, id) = (conn.dirty, conn.id);
         let in_flight = std::mem::take(&mut conn.to_acc);
         *conn = Conn::default();
-        let acceptor_closed =
-            why == "power loss" || why.starts_with("acceptor") || why.starts_with("flush");
+        let dying = why == "power loss" || why == "process crash";
+        let acceptor_closed = dying || why.starts_with("acceptor") || why.starts_with("flush");
         if !acceptor_closed && !in_flight.is_empty() && self.rng.random_bool(0.3) {
             self.zombies.push((p, a, in_flight));
         }
         self.stats.drops += 1;
         self.log(|| format!("drop p{p}-a{a}: {why}"));
         // neon's WalAcceptor flushes on disconnect, unless the process is dying.
-        if dirty && why != "power loss" && self.rng.random_bool(0.5) {
+        if dirty && !dying && self.rng.random_bool(0.5) {
             let _ = self
                 .sk_mut(a)
                 .process_msg(&ProposerAcceptorMessage::FlushWAL);
@@ -676,14 +735,19 @@ impl<B: Backend> Cluster<B> {
         let result = self.sk_mut(a).process_msg(&msg);
         if crash_armed && self.backend.crash_point_reached(a) {
             self.stats.crash_points += 1;
-            self.log(|| format!("a{a} loses power while handling that message"));
             if let ProposerAcceptorMessage::Elected(e) = &msg {
                 // The truncation to the start point may have begun: WAL above it is
                 // legitimately gone (the new term's proposer does not have it).
                 let floor = self.acc_flush_revealed[a].min(e.start_streaming_at);
                 self.acc_flush_revealed[a] = floor;
             }
-            self.power_loss(a);
+            if self.rng.random_bool(0.5) {
+                self.log(|| format!("a{a} loses power while handling that message"));
+                self.power_loss(a);
+            } else {
+                self.log(|| format!("a{a}'s process dies while handling that message"));
+                self.process_crash(a);
+            }
             return;
         }
         if matches!(msg, ProposerAcceptorMessage::Elected(_)) {
@@ -808,6 +872,9 @@ impl<B: Backend> Cluster<B> {
             self.drop_conn(p, a, "power loss");
         }
         self.zombies.retain(|(_, za, _)| *za != a);
+        if std::mem::take(&mut self.crashed_since_power_loss[a]) {
+            self.stats.power_losses_after_process_crash += 1;
+        }
         let sk = self.acceptors[a].take().expect("acceptor present");
         let (sk, what) = self.backend.power_loss(a, sk, &mut self.rng);
         self.stats.power_losses += 1;
@@ -818,6 +885,20 @@ impl<B: Backend> Cluster<B> {
                 sk.commit_lsn()
             )
         });
+        self.acceptors[a] = Some(sk);
+    }
+
+    /// The acceptor's process dies and restarts: connections end, the page cache survives.
+    fn process_crash(&mut self, a: usize) {
+        for p in 0..N_PROP {
+            self.drop_conn(p, a, "process crash");
+        }
+        self.zombies.retain(|(_, za, _)| *za != a);
+        let sk = self.acceptors[a].take().expect("acceptor present");
+        let sk = self.backend.process_crash(a, sk);
+        self.stats.process_crashes += 1;
+        self.crashed_since_power_loss[a] = true;
+        self.log(|| format!("process crash a{a}: flush {}", sk.flush_lsn()));
         self.acceptors[a] = Some(sk);
     }
 
@@ -1247,12 +1328,14 @@ impl<B: Backend> Cluster<B> {
     // ----- the schedule -------------------------------------------------------------------
 
     fn step(&mut self) {
+        self.backend.advance_clock(&mut self.rng);
         let p = self.rng.random_range(0..N_PROP);
         let a = self.rng.random_range(0..N_ACC);
         if self.rng.random_bool(self.fault_rate) {
             match self.rng.random_range(0..100) {
                 0..=39 => self.drop_conn(p, a, "network"),
-                40..=59 => self.power_loss(a),
+                40..=51 => self.power_loss(a),
+                52..=59 => self.process_crash(a),
                 60..=69 => {
                     // A proposer stuck in a campaign (e.g. it lost the vote race) gives up.
                     if matches!(
@@ -1457,7 +1540,9 @@ fn run_many<B: Backend>(default_seeds: u64, default_steps: usize) {
                 && total.fetch_failures > 0
                 && total.replies_duplicated > 0
                 && total.replies_reordered > 0
-                && total.stale_delivered > 0,
+                && total.stale_delivered > 0
+                && total.process_crashes > 0
+                && total.power_losses_after_process_crash > 0,
             "a fault kind never happened: {total:?}"
         );
     }
