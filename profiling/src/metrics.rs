@@ -65,57 +65,53 @@ struct JemallocCollector {
     gauges: Vec<(IntGauge, StatReader)>,
 }
 
+/// The jemalloc statistics exported, as (gauge name, help, reader).
+const JEMALLOC_STATS: [(&str, &str, StatReader); 6] = {
+    use tikv_jemalloc_ctl::stats::{active, allocated, mapped, metadata, resident, retained};
+    [
+        (
+            "jemalloc_allocated_bytes",
+            "Bytes allocated by the application",
+            allocated::read,
+        ),
+        (
+            "jemalloc_active_bytes",
+            "Bytes in active pages allocated by the application",
+            active::read,
+        ),
+        (
+            "jemalloc_resident_bytes",
+            "Bytes in resident pages mapped by the allocator",
+            resident::read,
+        ),
+        (
+            "jemalloc_mapped_bytes",
+            "Bytes in active extents mapped by the allocator",
+            mapped::read,
+        ),
+        (
+            "jemalloc_retained_bytes",
+            "Bytes in mappings retained for reuse",
+            retained::read,
+        ),
+        (
+            "jemalloc_metadata_bytes",
+            "Bytes dedicated to allocator metadata",
+            metadata::read,
+        ),
+    ]
+};
+
 impl JemallocCollector {
     fn new() -> JemallocCollector {
-        use tikv_jemalloc_ctl::stats;
-        let g =
-            |name: &str, help: &str| IntGauge::new(name, help).expect("valid metric definition");
-        JemallocCollector {
-            gauges: vec![
-                (
-                    g(
-                        "jemalloc_allocated_bytes",
-                        "Bytes allocated by the application",
-                    ),
-                    stats::allocated::read,
-                ),
-                (
-                    g(
-                        "jemalloc_active_bytes",
-                        "Bytes in active pages allocated by the application",
-                    ),
-                    stats::active::read,
-                ),
-                (
-                    g(
-                        "jemalloc_resident_bytes",
-                        "Bytes in physically resident data pages mapped by the allocator",
-                    ),
-                    stats::resident::read,
-                ),
-                (
-                    g(
-                        "jemalloc_mapped_bytes",
-                        "Bytes in active extents mapped by the allocator",
-                    ),
-                    stats::mapped::read,
-                ),
-                (
-                    g(
-                        "jemalloc_retained_bytes",
-                        "Bytes in virtual memory mappings retained for reuse",
-                    ),
-                    stats::retained::read,
-                ),
-                (
-                    g(
-                        "jemalloc_metadata_bytes",
-                        "Bytes dedicated to allocator metadata",
-                    ),
-                    stats::metadata::read,
-                ),
-            ],
-        }
+        let gauges = JEMALLOC_STATS
+            .iter()
+            .map(|&(name, help, read)| {
+                let gauge = IntGauge::new(name, help).expect("valid metric definition");
+                (gauge, read)
+            })
+            .collect();
+        JemallocCollector { gauges }
     }
 }
 

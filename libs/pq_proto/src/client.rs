@@ -103,15 +103,22 @@ pub struct QueryResult {
     pub tag: Option<String>,
 }
 
+/// What the server said about the session at startup.
+#[derive(Debug, Default)]
+struct Session {
+    /// ParameterStatus values, in order.
+    parameters: Vec<(String, String)>,
+    /// BackendKeyData (process id, secret key).
+    backend_key: Option<(i32, i32)>,
+}
+
 /// A connected client in query mode.
 pub struct ClientConn<S> {
     stream: S,
     read_buf: BytesMut,
     write_buf: BytesMut,
     max_message_size: usize,
-    /// ParameterStatus values the server sent, in order.
-    parameters: Vec<(String, String)>,
-    backend_key: Option<(i32, i32)>,
+    session: Session,
 }
 
 impl ClientConn<TcpStream> {
@@ -142,8 +149,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
             read_buf: BytesMut::with_capacity(8192),
             write_buf: BytesMut::with_capacity(1024),
             max_message_size: config.max_message_size,
-            parameters: Vec::new(),
-            backend_key: None,
+            session: Session::default(),
         };
         StartupPacket::Startup {
             minor_version: 0,
@@ -167,11 +173,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
                 BackendMessage::Authentication(a) => {
                     return Err(PqError::UnsupportedAuth(format!("{a:?}")));
                 }
-                BackendMessage::ParameterStatus { name, value } => c.parameters.push((name, value)),
+                BackendMessage::ParameterStatus { name, value } => {
+                    c.session.parameters.push((name, value))
+                }
                 BackendMessage::BackendKeyData {
                     process_id,
                     secret_key,
-                } => c.backend_key = Some((process_id, secret_key)),
+                } => c.session.backend_key = Some((process_id, secret_key)),
                 BackendMessage::NegotiateProtocolVersion { .. }
                 | BackendMessage::NoticeResponse(_) => {}
                 BackendMessage::ErrorResponse(e) => return Err(PqError::Server(e)),
@@ -188,7 +196,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
 
     /// A ParameterStatus value the server sent (e.g. `server_version`).
     pub fn parameter(&self, name: &str) -> Option<&str> {
-        self.parameters
+        self.session
+            .parameters
             .iter()
             .rev()
             .find(|(k, _)| k == name)
@@ -197,7 +206,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
 
     /// The server's BackendKeyData (process id, secret key), if it sent one.
     pub fn backend_key(&self) -> Option<(i32, i32)> {
-        self.backend_key
+        self.session.backend_key
     }
 
     /// Reads the next message; EOF is an error here. Cancellation-safe.
@@ -290,8 +299,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
                 read_buf: self.read_buf,
                 max_message_size: self.max_message_size,
                 done: false,
-                parameters: self.parameters,
-                backend_key: self.backend_key,
+                session: self.session,
             },
             CopyBothWriter {
                 stream: w,
@@ -328,8 +336,7 @@ pub struct CopyBothReader<R> {
     max_message_size: usize,
     done: bool,
     /// Kept for [`CopyBothReader::unsplit`].
-    parameters: Vec<(String, String)>,
-    backend_key: Option<(i32, i32)>,
+    session: Session,
 }
 
 impl<R: AsyncRead + Unpin> CopyBothReader<R> {
@@ -381,8 +388,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> CopyBothReader<ReadHalf<S>> {
             read_buf: self.read_buf,
             write_buf: writer.write_buf,
             max_message_size: self.max_message_size,
-            parameters: self.parameters,
-            backend_key: self.backend_key,
+            session: self.session,
         }
     }
 }
