@@ -26,25 +26,40 @@
 //!      term is committed only together with WAL of this term);
 //!   3. the commit LSN is the highest LSN that a quorum's counted flushes reach; it never goes
 //!      back;
-//! - **stepping down**: any reply carrying a higher term ends this proposer for good.
+//! - **membership** (`reference/neon-safekeeper.md`, generations): in generation 0 every
+//!   configured safekeeper is a member and a quorum is a majority of them; from generation 1 on
+//!   the [`Configuration`] decides: a quorum is a majority of `members` *and*, while a joint
+//!   configuration is in force, a majority of `new_members`, counted by node id (learnt from
+//!   each safekeeper's greeting). Elections and the commit rule both use it. A greeting that
+//!   shows a newer generation is adopted: the proposer connects to new members, stops talking
+//!   to removed ones, reconnects to everyone to greet them in the new generation and
+//!   *re-elects itself* with a higher term, so every term is elected entirely within one generation (the operator's
+//!   switch condition in `docs/durability.md` relies on it). Its WAL buffer survives the
+//!   re-election, and WAL pushed meanwhile waits in it: the new term continues at the new
+//!   donor's flush LSN, which must lie on our own history (else another proposer wrote WAL and
+//!   the election fails);
+//! - **stepping down**: any reply carrying a higher term while elected ends this proposer for
+//!   good.
 //!
 //! The safekeeper's side of the same rules is `SafeKeeper::process_msg` (`sk_core::safekeeper`).
 //!
 //! Not here: sockets, reconnecting and backoff, timeouts, fetching WAL over the network (the
 //! driver does them and reports back as events); where WAL comes from (the sources).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
 use bytes::Bytes;
 
 use sk_core::protocol::{
-    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, AppendResponse, MAX_SEND_SIZE,
-    ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
+    AcceptorGreeting, AcceptorProposerMessage, AppendRequest, AppendRequestHeader, AppendResponse,
+    MAX_SEND_SIZE, ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest,
+    VoteResponse,
 };
-use sk_core::state::Configuration;
-use sk_core::types::{Generation, Lsn, TenantTimelineId, Term, TermHistory, TermLsn};
+use sk_core::state::{Configuration, SafekeeperId};
+use sk_core::types::{Generation, Lsn, NodeId, TenantTimelineId, Term, TermHistory, TermLsn};
 
-/// Index of a safekeeper in the configured list.
+/// Index of a safekeeper: `0..n` are the configured ones, later ones were added by a
+/// membership configuration ([`Action::AddSafekeeper`]).
 pub type SkId = usize;
 
 /// Identifies one connection to a safekeeper; the driver assigns a new one to every connection
@@ -54,8 +69,14 @@ pub type ConnId = u64;
 /// What the core needs to know about the timeline and its safekeepers.
 #[derive(Clone, Debug)]
 pub struct CoreConfig {
-    /// Number of safekeepers; they are `0..n`.
+    /// Number of configured safekeepers; they are `0..n`.
     pub n_safekeepers: usize,
+    /// Their `host:port` addresses (may be empty): a member of a newer configuration at one of
+    /// these addresses is that safekeeper, not a new one.
+    pub addrs: Vec<String>,
+    /// The membership configuration to start with (generation 0: all configured safekeepers,
+    /// a majority of them is a quorum).
+    pub mconf: Configuration,
     /// The timeline written.
     pub ttid: TenantTimelineId,
     /// PostgreSQL system identifier, sent in the greeting.
@@ -85,6 +106,8 @@ impl CoreConfig {
     ) -> CoreConfig {
         CoreConfig {
             n_safekeepers,
+            addrs: Vec::new(),
+            mconf: Configuration::default(),
             ttid,
             system_id,
             pg_version,
@@ -93,11 +116,6 @@ impl CoreConfig {
             max_in_flight: 16 << 20,
             max_retained_committed: 1 << 30,
         }
-    }
-
-    /// Safekeepers needed for a quorum: a majority.
-    pub fn quorum(&self) -> usize {
-        self.n_safekeepers / 2 + 1
     }
 }
 
@@ -129,6 +147,8 @@ pub enum Event {
     },
     /// The answer to [`Action::Fetch`]: WAL `[from, from + wal.len())`.
     Fetched {
+        /// The fetch's id.
+        id: u64,
         /// Where the WAL starts.
         from: Lsn,
         /// The WAL.
@@ -136,6 +156,8 @@ pub enum Event {
     },
     /// [`Action::Fetch`] failed.
     FetchFailed {
+        /// The fetch's id.
+        id: u64,
         /// Why.
         reason: String,
     },
@@ -165,10 +187,22 @@ pub enum Action {
         /// Why, for the log.
         reason: String,
     },
+    /// Close connection `conn` to `sk` and connect again at once (a membership change).
+    Reconnect {
+        /// The safekeeper.
+        sk: SkId,
+        /// The connection to close.
+        conn: ConnId,
+        /// Why, for the log.
+        reason: String,
+    },
     /// Read WAL `[from, to)` from safekeeper `sk` while its term is `term`
     /// (`START_REPLICATION … (term='N')`) and report back with [`Event::Fetched`] or
-    /// [`Event::FetchFailed`]. At most one fetch is outstanding.
+    /// [`Event::FetchFailed`] carrying `id`. At most one fetch is outstanding; answers to an
+    /// older one are ignored.
     Fetch {
+        /// Identifies this fetch.
+        id: u64,
         /// The safekeeper to read from.
         sk: SkId,
         /// The term it must still be in.
@@ -189,6 +223,24 @@ pub enum Action {
     },
     /// The commit LSN advanced: WAL below it is on a quorum under this term's history.
     Commit(Lsn),
+    /// A newer membership configuration was adopted; a re-election in it follows.
+    Reconfigured {
+        /// The configuration.
+        mconf: Configuration,
+    },
+    /// A member of the configuration that is none of the known safekeepers (`sk` is the next
+    /// unused index), or a retired one that is a member again: connect to it.
+    AddSafekeeper {
+        /// Its index.
+        sk: SkId,
+        /// Where it listens.
+        id: SafekeeperId,
+    },
+    /// `sk` is not a member of the configuration any more: stop connecting to it.
+    RetireSafekeeper {
+        /// The safekeeper.
+        sk: SkId,
+    },
     /// A safekeeper is at `seen`, above our term: this proposer is done.
     SteppedDown {
         /// The higher term.
@@ -274,6 +326,12 @@ struct Conn {
 #[derive(Clone, Debug, Default)]
 struct Member {
     conn: Option<Conn>,
+    /// Its node id, learnt from its greeting (or from the configuration that added it).
+    node_id: Option<NodeId>,
+    /// Its `host:port`, when known.
+    addr: Option<String>,
+    /// Not a member of the configuration: no connection, counts for nothing.
+    retired: bool,
     /// Highest flush LSN this safekeeper acknowledged in our term after processing our
     /// `ProposerElected` (rule 1 of the module doc). Survives reconnects: it is durable there.
     flush: Lsn,
@@ -382,6 +440,7 @@ impl WalBuffer {
 /// A pending fetch: whose WAL and what range.
 #[derive(Clone, Copy, Debug)]
 struct PendingFetch {
+    id: u64,
     from: Lsn,
     to: Lsn,
 }
@@ -400,6 +459,11 @@ pub struct ProposerCore {
     history: TermHistory,
     /// The donor of the election.
     donor: Option<SkId>,
+    /// The membership configuration in force.
+    mconf: Configuration,
+    /// While re-electing after a reconfiguration: the history of our previous term, which the
+    /// WAL buffer follows.
+    prev_history: Option<TermHistory>,
     members: Vec<Member>,
     wal: WalBuffer,
     /// Invariant: never decreases; only ever set by [`ProposerCore::recompute_commit`].
@@ -407,6 +471,8 @@ pub struct ProposerCore {
     /// Highest `truncate_lsn` among the votes: the peers' horizon is at least this.
     vote_truncate: Lsn,
     fetch: Option<PendingFetch>,
+    /// Id of the last fetch requested.
+    fetch_seq: u64,
     actions: Vec<Action>,
 }
 
@@ -415,18 +481,27 @@ impl ProposerCore {
     /// [`Event::Connected`].
     pub fn new(cfg: CoreConfig) -> ProposerCore {
         let n = cfg.n_safekeepers;
+        let members = (0..n)
+            .map(|i| Member {
+                addr: cfg.addrs.get(i).cloned(),
+                ..Member::default()
+            })
+            .collect();
         ProposerCore {
             wal: WalBuffer::new(cfg.start_lsn),
+            mconf: cfg.mconf.clone(),
+            prev_history: None,
             cfg,
             phase: Phase::Greeting,
             term: Term(0),
             term_start: Lsn::INVALID,
             history: TermHistory::empty(),
             donor: None,
-            members: vec![Member::default(); n],
+            members,
             commit: Lsn::INVALID,
             vote_truncate: Lsn::INVALID,
             fetch: None,
+            fetch_seq: 0,
             actions: Vec::new(),
         }
     }
@@ -483,27 +558,66 @@ impl ProposerCore {
         self.members[sk].flush
     }
 
-    /// Safekeepers whose persisted commit LSN reached the term start.
-    pub fn synced(&self) -> usize {
-        if !self.term_start.is_valid() {
-            return 0;
-        }
-        self.members
-            .iter()
-            .filter(|m| m.persisted_commit.is_valid() && m.persisted_commit >= self.term_start)
-            .count()
+    /// Whether a quorum of safekeepers persisted a commit LSN at or above the term start.
+    pub fn synced(&self) -> bool {
+        self.term_start.is_valid()
+            && self.is_quorum(|i| {
+                let c = self.members[i].persisted_commit;
+                c.is_valid() && c >= self.term_start
+            })
     }
 
-    /// Oldest WAL a peer may still need: `min(commit, every safekeeper's counted flush)`, and
-    /// never below what the voters reported.
+    /// Oldest WAL a peer may still need: `min(commit, every member's counted flush)`, and never
+    /// below what the voters reported.
     pub fn truncate_lsn(&self) -> Lsn {
         let min_flush = self
-            .members
-            .iter()
-            .map(|m| m.flush)
+            .live()
+            .map(|i| self.members[i].flush)
             .min()
             .unwrap_or(Lsn::INVALID);
         min_flush.min(self.commit).max(self.vote_truncate)
+    }
+
+    /// The membership configuration in force.
+    pub fn mconf(&self) -> &Configuration {
+        &self.mconf
+    }
+
+    /// Number of safekeepers known (members or not).
+    pub fn n_safekeepers(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether `sk` was retired (it is not a member of the configuration).
+    pub fn retired(&self, sk: SkId) -> bool {
+        self.members[sk].retired
+    }
+
+    /// What a quorum is, for logs and errors.
+    pub fn quorum_description(&self) -> String {
+        if self.mconf.generation == Generation::INVALID {
+            let n = self.live().count();
+            return format!("a majority ({}) of {n}", n / 2 + 1);
+        }
+        let ids = |set: &[SafekeeperId]| {
+            set.iter()
+                .map(|m| m.id.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match &self.mconf.new_members {
+            None => format!(
+                "a majority of nodes {{{}}} (generation {})",
+                ids(&self.mconf.members),
+                self.mconf.generation
+            ),
+            Some(nm) => format!(
+                "a majority of nodes {{{}}} and of {{{}}} (joint generation {})",
+                ids(&self.mconf.members),
+                ids(nm),
+                self.mconf.generation
+            ),
+        }
     }
 
     /// Whether connection `conn` of `sk` was sent everything: all WAL and the current commit LSN.
@@ -534,6 +648,7 @@ impl ProposerCore {
             .enumerate()
             .map(|(i, m)| {
                 let state = match &m.conn {
+                    None if m.retired => "retired".to_string(),
                     None => "down".to_string(),
                     Some(c) => match &c.state {
                         ConnState::Greeting => "greeting".into(),
@@ -543,7 +658,11 @@ impl ProposerCore {
                         ConnState::Streaming(s) => format!("streaming (sent up to {})", s.next),
                     },
                 };
-                format!("sk{i}: {state}, acknowledged {}", m.flush)
+                let node = m
+                    .node_id
+                    .map(|n| format!(" (node {n})"))
+                    .unwrap_or_default();
+                format!("sk{i}{node}: {state}, acknowledged {}", m.flush)
             })
             .collect::<Vec<_>>()
             .join("; ")
@@ -567,8 +686,10 @@ impl ProposerCore {
     // ----- input -----------------------------------------------------------------------------
 
     /// Appends WAL at `lsn` (which must be the end of WAL) and streams it. Only when elected.
+    /// While re-electing after a reconfiguration the WAL waits in the buffer.
     pub fn push(&mut self, lsn: Lsn, wal: Bytes) -> Result<(), PushError> {
-        if self.phase != Phase::Elected {
+        let reelecting = self.prev_history.is_some() && self.phase != Phase::Stopped;
+        if self.phase != Phase::Elected && !reelecting {
             return Err(PushError::NotElected);
         }
         if lsn != self.wal.end {
@@ -601,21 +722,33 @@ impl ProposerCore {
                     return; // a connection we already gave up on
                 }
                 match msg {
-                    AcceptorProposerMessage::Greeting(g) => self.on_greeting(sk, conn, g.term),
+                    AcceptorProposerMessage::Greeting(g) => self.on_greeting(sk, conn, g),
                     AcceptorProposerMessage::VoteResponse(v) => self.on_vote(sk, conn, v),
                     AcceptorProposerMessage::AppendResponse(r) => {
                         self.on_append_response(sk, conn, r)
                     }
                 }
             }
-            Event::Fetched { from, wal } => self.on_fetched(from, wal),
-            Event::FetchFailed { reason } => self.on_fetch_failed(reason),
+            Event::Fetched { id, from, wal } => {
+                if self.fetch.is_some_and(|f| f.id == id) {
+                    self.on_fetched(from, wal);
+                }
+            }
+            Event::FetchFailed { id, reason } => {
+                if self.fetch.is_some_and(|f| f.id == id) {
+                    self.on_fetch_failed(reason);
+                }
+            }
             Event::Tick => self.on_tick(),
         }
     }
 
     fn is_current(&self, sk: SkId, conn: ConnId) -> bool {
         sk < self.members.len() && self.members[sk].conn.as_ref().is_some_and(|c| c.id == conn)
+    }
+
+    fn in_state(&self, sk: SkId, f: impl Fn(&ConnState) -> bool) -> bool {
+        self.members[sk].conn.as_ref().is_some_and(|c| f(&c.state))
     }
 
     fn send(&mut self, sk: SkId, conn: ConnId, msg: ProposerAcceptorMessage) {
@@ -638,59 +771,250 @@ impl ProposerCore {
         self.actions.push(Action::SteppedDown { seen });
     }
 
+    // ----- quorums and membership ----------------------------------------------------------
+
+    /// Safekeepers that are not retired.
+    fn live(&self) -> impl Iterator<Item = SkId> + '_ {
+        (0..self.members.len()).filter(|&i| !self.members[i].retired)
+    }
+
+    /// The halves of the configuration a quorum needs a majority of (generation 1 and later).
+    fn config_sets(&self) -> impl Iterator<Item = &[SafekeeperId]> {
+        std::iter::once(self.mconf.members.as_slice()).chain(self.mconf.new_members.as_deref())
+    }
+
+    /// Whether the safekeepers for which `has` holds make a quorum: a majority of all of them
+    /// in generation 0; from generation 1 on, a majority of each half of the configuration,
+    /// counted by node id.
+    fn is_quorum(&self, has: impl Fn(SkId) -> bool) -> bool {
+        if self.mconf.generation == Generation::INVALID {
+            let live: Vec<SkId> = self.live().collect();
+            return live.iter().filter(|&&i| has(i)).count() > live.len() / 2;
+        }
+        let ids: BTreeSet<NodeId> = self
+            .live()
+            .filter(|&i| has(i))
+            .filter_map(|i| self.members[i].node_id)
+            .collect();
+        self.config_sets()
+            .all(|set| set.iter().filter(|m| ids.contains(&m.id)).count() > set.len() / 2)
+    }
+
+    /// The highest LSN that the counted flushes of a quorum reach, at or above the term start
+    /// (the commit rule: rules 2 and 3 of the module doc).
+    fn quorum_flush(&self) -> Lsn {
+        if self.mconf.generation == Generation::INVALID {
+            let flushes: Vec<Lsn> = self.live().map(|i| self.members[i].flush).collect();
+            return quorum_commit_lsn(&flushes, flushes.len() / 2 + 1, self.term_start);
+        }
+        self.config_sets()
+            .map(|set| {
+                let flushes: Vec<Lsn> = set.iter().map(|m| self.node_flush(m.id)).collect();
+                quorum_commit_lsn(&flushes, set.len() / 2 + 1, self.term_start)
+            })
+            .min()
+            .unwrap_or(Lsn::INVALID)
+    }
+
+    /// The counted flush of node `id` (of the safekeeper that greeted us as it).
+    fn node_flush(&self, id: NodeId) -> Lsn {
+        self.live()
+            .filter(|&i| self.members[i].node_id == Some(id))
+            .map(|i| self.members[i].flush)
+            .max()
+            .unwrap_or(Lsn::INVALID)
+    }
+
+    /// Adopts `mconf` (newer than ours, seen in `from`'s greeting): maps its members onto the
+    /// known safekeepers (by node id, else by address), adds the others, retires known
+    /// safekeepers that are not members, and re-elects in the new generation.
+    fn reconfigure(&mut self, from: SkId, mconf: Configuration) {
+        self.mconf = mconf.clone();
+        self.actions.push(Action::Reconfigured {
+            mconf: mconf.clone(),
+        });
+        let mut mapped = BTreeSet::new();
+        for m in mconf
+            .members
+            .iter()
+            .chain(mconf.new_members.iter().flatten())
+        {
+            let addr = format!("{}:{}", m.host, m.pg_port);
+            let all = 0..self.members.len();
+            let known = all
+                .clone()
+                .find(|&i| self.members[i].node_id == Some(m.id))
+                .or_else(|| {
+                    all.clone().find(|&i| {
+                        self.members[i].node_id.is_none()
+                            && self.members[i].addr.as_deref() == Some(addr.as_str())
+                    })
+                });
+            if let Some(sk) = known.filter(|&i| self.members[i].retired) {
+                // A member again: connect to it again.
+                self.members[sk].retired = false;
+                self.actions
+                    .push(Action::AddSafekeeper { sk, id: m.clone() });
+            }
+            let sk = known.unwrap_or_else(|| {
+                self.members.push(Member {
+                    node_id: Some(m.id),
+                    addr: Some(addr),
+                    ..Member::default()
+                });
+                let sk = self.members.len() - 1;
+                self.actions
+                    .push(Action::AddSafekeeper { sk, id: m.clone() });
+                sk
+            });
+            mapped.insert(sk);
+        }
+        // Safekeepers whose node id we do not know yet are told apart at their greeting.
+        let gone: Vec<SkId> = self
+            .live()
+            .filter(|i| !mapped.contains(i) && self.members[*i].node_id.is_some())
+            .collect();
+        for sk in gone {
+            self.retire(sk);
+        }
+        self.restart_election(from);
+    }
+
+    /// `sk` is not a member of the configuration: it counts for nothing from now on.
+    fn retire(&mut self, sk: SkId) {
+        let reason = format!(
+            "not a member of configuration generation {}",
+            self.mconf.generation
+        );
+        if let Some(id) = self.members[sk].conn.as_ref().map(|c| c.id) {
+            self.close(sk, id, reason);
+        }
+        let m = &mut self.members[sk];
+        m.retired = true;
+        m.vote = None;
+        m.flush = Lsn::INVALID;
+        self.actions.push(Action::RetireSafekeeper { sk });
+    }
+
+    /// Starts a new election in the configuration just adopted. `greeted` answered a greeting
+    /// in it; every other connection is made anew ([`Action::Reconnect`]). The WAL buffer
+    /// stays: once elected again, the new term continues it (see
+    /// [`ProposerCore::become_elected`]).
+    ///
+    /// Why not greet again on the connections we have: rule 1 of the module doc needs a
+    /// connection on which the safekeeper processed nothing but this election's messages. On
+    /// a connection that carried appends of the earlier term, the safekeeper may answer its
+    /// idle flush of those appends *after* it voted in the new term and *before* it processes
+    /// `elected`: an `AppendResponse` of the new term describing WAL of the old one, which
+    /// would be counted (the seeded model found this).
+    fn restart_election(&mut self, greeted: SkId) {
+        if self.phase == Phase::Elected {
+            self.prev_history = Some(self.history.clone());
+        }
+        self.phase = Phase::Greeting;
+        self.donor = None;
+        self.fetch = None; // its answer, if any, is ignored by id
+        for m in &mut self.members {
+            m.vote = None;
+            // Rule 1: a flush counts only in the term that is being elected now.
+            m.flush = Lsn::INVALID;
+        }
+        for sk in self.live().collect::<Vec<_>>() {
+            let Some(c) = self.members[sk].conn.clone() else {
+                continue;
+            };
+            if sk == greeted && matches!(c.state, ConnState::Greeting) {
+                // A fresh connection: only our greeting went over it.
+                self.set_state(sk, ConnState::Greeted);
+            } else {
+                self.members[sk].conn = None;
+                self.actions.push(Action::Reconnect {
+                    sk,
+                    conn: c.id,
+                    reason: format!(
+                        "membership generation {}: greeting in it on a new connection",
+                        self.mconf.generation
+                    ),
+                });
+            }
+        }
+        self.try_choose_term();
+    }
+
     // ----- election --------------------------------------------------------------------------
+
+    fn greeting(&self) -> ProposerGreeting {
+        ProposerGreeting {
+            tenant_id: self.cfg.ttid.tenant_id,
+            timeline_id: self.cfg.ttid.timeline_id,
+            mconf: self.mconf.clone(),
+            pg_version: self.cfg.pg_version,
+            system_id: self.cfg.system_id,
+            wal_seg_size: self.cfg.wal_seg_size,
+        }
+    }
 
     fn on_connected(&mut self, sk: SkId, conn: ConnId) {
         if sk >= self.members.len() {
+            return;
+        }
+        if self.members[sk].retired {
+            let reason = "not a member of the configuration".to_string();
+            self.actions.push(Action::Close { sk, conn, reason });
             return;
         }
         self.members[sk].conn = Some(Conn {
             id: conn,
             state: ConnState::Greeting,
         });
-        let greeting = ProposerGreeting {
-            tenant_id: self.cfg.ttid.tenant_id,
-            timeline_id: self.cfg.ttid.timeline_id,
-            mconf: Configuration::default(),
-            pg_version: self.cfg.pg_version,
-            system_id: self.cfg.system_id,
-            wal_seg_size: self.cfg.wal_seg_size,
-        };
+        let greeting = self.greeting();
         self.send(sk, conn, ProposerAcceptorMessage::Greeting(greeting));
     }
 
-    fn on_greeting(&mut self, sk: SkId, conn: ConnId, term: Term) {
-        if !matches!(
-            self.members[sk].conn.as_ref().map(|c| &c.state),
-            Some(ConnState::Greeting)
-        ) {
+    fn on_greeting(&mut self, sk: SkId, conn: ConnId, g: AcceptorGreeting) {
+        if !self.in_state(sk, |s| matches!(s, ConnState::Greeting)) {
             return self.close(sk, conn, "unexpected greeting".into());
         }
-        self.members[sk].term = term;
+        self.members[sk].term = g.term;
+        self.members[sk].node_id = Some(g.node_id);
+        if g.mconf.generation > self.mconf.generation {
+            return self.reconfigure(sk, g.mconf);
+        }
+        if self.mconf.generation != Generation::INVALID && !self.mconf.contains(g.node_id) {
+            return self.retire(sk);
+        }
         if self.phase != Phase::Greeting {
-            if term > self.term {
-                return self.step_down(term);
+            if g.term > self.term {
+                return self.step_down(g.term);
             }
             return self.request_vote(sk, conn);
         }
         self.set_state(sk, ConnState::Greeted);
+        self.try_choose_term();
+    }
+
+    /// With greetings from a quorum, chooses a term above every term seen (and above ours when
+    /// re-electing) and asks for votes.
+    fn try_choose_term(&mut self) {
+        if self.phase != Phase::Greeting {
+            return;
+        }
         let greeted: Vec<(SkId, ConnId)> = self
-            .members
-            .iter()
-            .enumerate()
-            .filter_map(|(i, m)| match &m.conn {
+            .live()
+            .filter_map(|i| match &self.members[i].conn {
                 Some(c) if matches!(c.state, ConnState::Greeted) => Some((i, c.id)),
                 _ => None,
             })
             .collect();
-        if greeted.len() < self.cfg.quorum() {
+        if !self.is_quorum(|i| greeted.iter().any(|&(g, _)| g == i)) {
             return;
         }
         let highest = greeted
             .iter()
             .map(|&(i, _)| self.members[i].term)
             .max()
-            .unwrap_or(Term(0));
+            .unwrap_or(Term(0))
+            .max(self.term);
         self.term = Term(highest.0 + 1);
         self.phase = Phase::Voting;
         for (i, c) in greeted {
@@ -701,7 +1025,7 @@ impl ProposerCore {
     fn request_vote(&mut self, sk: SkId, conn: ConnId) {
         self.set_state(sk, ConnState::Voting);
         let req = VoteRequest {
-            generation: Generation::INVALID,
+            generation: self.mconf.generation,
             term: self.term,
         };
         self.send(sk, conn, ProposerAcceptorMessage::VoteRequest(req));
@@ -735,8 +1059,8 @@ impl ProposerCore {
         self.set_state(sk, ConnState::Voted(Box::new(v)));
         match self.phase {
             Phase::Voting => {
-                let votes = self.granted_votes();
-                if votes.len() >= self.cfg.quorum() {
+                if self.is_quorum(|i| self.members[i].vote.is_some()) {
+                    let votes = self.granted_votes();
                     self.become_elected(votes);
                 }
             }
@@ -747,10 +1071,8 @@ impl ProposerCore {
 
     /// Safekeepers that granted us their vote in our term.
     fn granted_votes(&self) -> Vec<(SkId, VoteResponse)> {
-        self.members
-            .iter()
-            .enumerate()
-            .filter_map(|(i, m)| m.vote.clone().map(|v| (i, v)))
+        self.live()
+            .filter_map(|i| self.members[i].vote.clone().map(|v| (i, v)))
             .collect()
     }
 
@@ -769,6 +1091,36 @@ impl ProposerCore {
             term: self.term,
             lsn: term_start,
         });
+        if let Some(prev) = &self.prev_history {
+            // Re-elected: our buffered WAL continues the new term only if the donor's WAL up to
+            // the term start is ours: its history is a prefix of ours (no term we do not know)
+            // and its WAL does not run past where ours moved on to a later term.
+            let donor_history = dv.term_history.up_to(dv.flush_lsn);
+            let ours = prev.0.starts_with(&donor_history.0)
+                && match TermHistory::find_highest_common_point(
+                    prev,
+                    &dv.term_history,
+                    dv.flush_lsn,
+                ) {
+                    Ok(Some(p)) => p.lsn >= term_start,
+                    Ok(None) => !dv.flush_lsn.is_valid(),
+                    Err(_) => false,
+                };
+            if !ours || term_start < self.wal.start || term_start > self.wal.end {
+                self.phase = Phase::Stopped;
+                self.actions.push(Action::ElectionFailed {
+                    reason: format!(
+                        "re-elected in term {}, but the donor sk{donor}'s WAL up to {term_start} \
+                         (history {:?}) does not continue ours (history {prev:?}, WAL [{}, {})): \
+                         another proposer wrote WAL",
+                        self.term, dv.term_history, self.wal.start, self.wal.end
+                    ),
+                });
+                return;
+            }
+        } else {
+            self.wal = WalBuffer::new(term_start);
+        }
         self.term_start = term_start;
         self.history = history;
         self.donor = Some(donor);
@@ -777,7 +1129,6 @@ impl ProposerCore {
             .map(|(_, v)| v.truncate_lsn)
             .max()
             .unwrap_or(Lsn::INVALID);
-        self.wal = WalBuffer::new(term_start);
         self.phase = Phase::Recovering;
         // Everything the voters lack below the term start comes from the donor first.
         let mut from = term_start;
@@ -791,8 +1142,9 @@ impl ProposerCore {
                 }
             }
         }
-        if from < term_start {
-            self.request_fetch(from, term_start);
+        // (A re-elected proposer still has its buffer above `wal.start`.)
+        if from < self.wal.start {
+            self.request_fetch(from, self.wal.start);
         } else {
             self.finish_election();
         }
@@ -819,15 +1171,18 @@ impl ProposerCore {
         let source = if to <= self.term_start {
             self.donor
         } else {
-            (0..self.members.len())
+            self.live()
                 .filter(|&i| self.members[i].flush >= to)
                 .max_by_key(|&i| self.members[i].flush)
         };
         let Some(sk) = source else {
             return;
         };
-        self.fetch = Some(PendingFetch { from, to });
+        self.fetch_seq += 1;
+        let id = self.fetch_seq;
+        self.fetch = Some(PendingFetch { id, from, to });
         self.actions.push(Action::Fetch {
+            id,
             sk,
             term: self.term,
             from,
@@ -878,6 +1233,7 @@ impl ProposerCore {
 
     fn finish_election(&mut self) {
         self.phase = Phase::Elected;
+        self.prev_history = None;
         self.actions.push(Action::Elected {
             term: self.term,
             term_start: self.term_start,
@@ -922,7 +1278,7 @@ impl ProposerCore {
             );
         }
         let elected = ProposerElected {
-            generation: Generation::INVALID,
+            generation: self.mconf.generation,
             term: self.term,
             start_streaming_at: start,
             term_history: self.history.clone(),
@@ -980,7 +1336,7 @@ impl ProposerCore {
     fn append(&self, begin: Lsn, data: Bytes, truncate_lsn: Lsn) -> AppendRequest {
         AppendRequest {
             h: AppendRequestHeader {
-                generation: Generation::INVALID,
+                generation: self.mconf.generation,
                 term: self.term,
                 begin_lsn: begin,
                 end_lsn: Lsn(begin.0 + data.len() as u64),
@@ -1027,14 +1383,17 @@ impl ProposerCore {
 
     /// The commit rule (rules 2 and 3 of the module doc).
     fn recompute_commit(&mut self) {
-        let flushes: Vec<Lsn> = self.members.iter().map(|m| m.flush).collect();
-        let commit = quorum_commit_lsn(&flushes, self.cfg.quorum(), self.term_start);
+        let commit = self.quorum_flush();
         if commit > self.commit {
             self.commit = commit;
             self.actions.push(Action::Commit(commit));
             // Keep what lagging safekeepers need, within the retention limit; never uncommitted
             // WAL.
-            let min_flush = flushes.iter().copied().min().unwrap_or(Lsn::INVALID);
+            let min_flush = self
+                .live()
+                .map(|i| self.members[i].flush)
+                .min()
+                .unwrap_or(Lsn::INVALID);
             let floor = Lsn(commit.0.saturating_sub(self.cfg.max_retained_committed));
             self.wal.trim_to(min_flush.max(floor).min(commit));
             for sk in 0..self.members.len() {

@@ -9,7 +9,10 @@
 //!   reports that and reconnects with backoff;
 //! - a ticker gives the core its heartbeat tick every second and logs, every few seconds, why
 //!   the commit LSN is stalled if it is;
-//! - [`consensus::Action::Fetch`] runs `START_REPLICATION … (term='N')` on a task of its own.
+//! - [`consensus::Action::Fetch`] runs `START_REPLICATION … (term='N')` on a task of its own;
+//! - a newer membership configuration adds a task for each new member
+//!   ([`consensus::Action::AddSafekeeper`]) and ends the tasks of removed ones; the core
+//!   re-elects itself in the new generation while pushed WAL waits in its buffer.
 //!
 //! Callers use [`Proposer`]: [`Proposer::elect`], then [`Proposer::push`] WAL and watch
 //! [`Progress`]; a higher term seen anywhere makes the proposer step down
@@ -27,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{Notify, watch};
-use tokio::task::JoinSet;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
@@ -68,20 +71,21 @@ pub struct ProposerConfig {
 }
 
 impl ProposerConfig {
-    /// Safekeepers needed for a quorum: a majority.
-    pub fn quorum(&self) -> usize {
-        self.safekeepers.len() / 2 + 1
-    }
-
     fn core_config(&self) -> CoreConfig {
-        CoreConfig::new(
+        let mut cfg = CoreConfig::new(
             self.safekeepers.len(),
             self.ttid,
             self.system_id,
             self.pg_version,
             self.wal_seg_size,
             self.start_lsn,
-        )
+        );
+        cfg.addrs = self
+            .safekeepers
+            .iter()
+            .map(|a| format!("{}:{}", a.host, a.port))
+            .collect();
+        cfg
     }
 }
 
@@ -89,12 +93,14 @@ impl ProposerConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ProposerError {
     /// The election found no quorum in time.
-    #[error("no quorum: {got} of {need} safekeepers voted for us within {timeout:?} ({details})")]
+    #[error(
+        "no quorum: {got} safekeepers voted for us within {timeout:?}, {need} is needed ({details})"
+    )]
     NoQuorum {
         /// Votes granted.
         got: usize,
-        /// Votes needed.
-        need: usize,
+        /// What a quorum is.
+        need: String,
         /// How long the election waited.
         timeout: Duration,
         /// Each safekeeper's state and last error.
@@ -137,9 +143,9 @@ pub struct Progress {
     pub stepped_down: Option<Term>,
     /// Set when the election failed (recovering the donor's WAL did not work).
     pub failed: bool,
-    /// Safekeepers whose *persisted* commit LSN reached the term start (sync mode waits for a
-    /// quorum of them).
-    pub synced: usize,
+    /// Whether a quorum of safekeepers *persisted* a commit LSN at or above the term start
+    /// (sync mode waits for it).
+    pub synced: bool,
     /// Set by [`Proposer::finish`]: stream what is buffered, pass on the commit LSN, then end.
     pub finishing: bool,
 }
@@ -148,13 +154,21 @@ pub struct Progress {
 enum Out {
     Msg(ConnId, ProposerAcceptorMessage),
     Close(ConnId, String),
+    /// Close and connect again without a backoff (logged when queued).
+    Reconnect(ConnId),
 }
 
 /// The core and what the driver keeps beside it, under one lock.
 struct State {
     core: ProposerCore,
+    /// Per safekeeper: where it listens (configured, then added by membership changes).
+    addrs: Vec<SafekeeperAddr>,
+    /// Per safekeeper: "something was queued for you".
+    wake: Vec<Arc<Notify>>,
     /// Per safekeeper: what its task must write (or do) next.
     out: Vec<VecDeque<Out>>,
+    /// Per safekeeper: whether its task runs (it ends when the safekeeper is retired).
+    running: Vec<bool>,
     /// Per safekeeper: why its last connection failed or ended.
     errors: Vec<Option<String>>,
     next_conn: ConnId,
@@ -168,8 +182,8 @@ struct Shared {
     cfg: ProposerConfig,
     state: Mutex<State>,
     progress: watch::Sender<Progress>,
-    /// Per safekeeper: "something was queued for you".
-    wake: Vec<Notify>,
+    /// One task per safekeeper.
+    tasks: Mutex<Vec<JoinHandle<()>>>,
     stop: CancellationToken,
 }
 
@@ -192,14 +206,61 @@ impl Shared {
             match action {
                 Action::Send { sk, conn, msg } => {
                     st.out[sk].push_back(Out::Msg(conn, msg));
-                    self.wake[sk].notify_one();
+                    st.wake[sk].notify_one();
                 }
                 Action::Close { sk, conn, reason } => {
-                    tracing::warn!(safekeeper = %self.cfg.safekeepers[sk], "closing: {reason}");
+                    tracing::warn!(safekeeper = %st.addrs[sk], "closing: {reason}");
                     st.out[sk].push_back(Out::Close(conn, reason));
-                    self.wake[sk].notify_one();
+                    st.wake[sk].notify_one();
                 }
-                Action::Fetch { sk, term, from, to } => self.spawn_fetch(sk, term, from, to),
+                Action::Reconnect { sk, conn, reason } => {
+                    tracing::info!(safekeeper = %st.addrs[sk], "reconnecting: {reason}");
+                    st.out[sk].push_back(Out::Reconnect(conn));
+                    st.wake[sk].notify_one();
+                }
+                Action::Fetch {
+                    id,
+                    sk,
+                    term,
+                    from,
+                    to,
+                } => self.spawn_fetch(st.addrs[sk].clone(), id, term, from, to),
+                Action::Reconfigured { mconf } => {
+                    tracing::info!(
+                        generation = %mconf.generation,
+                        "membership changed: re-electing with {}",
+                        st.core.quorum_description()
+                    );
+                }
+                Action::AddSafekeeper { sk, id } => {
+                    let addr = SafekeeperAddr {
+                        host: id.host.clone(),
+                        port: id.pg_port,
+                        password: self
+                            .cfg
+                            .safekeepers
+                            .first()
+                            .and_then(|a| a.password.clone()),
+                    };
+                    tracing::info!(safekeeper = %addr, node = %id.id, "new member");
+                    if sk == st.addrs.len() {
+                        st.addrs.push(addr);
+                        st.wake.push(Arc::new(Notify::new()));
+                        st.out.push(VecDeque::new());
+                        st.errors.push(None);
+                        st.running.push(false);
+                    } else {
+                        st.addrs[sk] = addr;
+                    }
+                    if !st.running[sk] {
+                        st.running[sk] = true;
+                        self.spawn_safekeeper(sk);
+                    }
+                }
+                Action::RetireSafekeeper { sk } => {
+                    tracing::info!(safekeeper = %st.addrs[sk], "not a member any more");
+                    st.wake[sk].notify_one();
+                }
                 Action::Elected {
                     term, term_start, ..
                 } => {
@@ -239,32 +300,43 @@ impl Shared {
         });
     }
 
-    fn spawn_fetch(self: &Arc<Self>, sk: SkId, term: Term, from: Lsn, to: Lsn) {
+    fn spawn_fetch(
+        self: &Arc<Self>,
+        addr: SafekeeperAddr,
+        id: u64,
+        term: Term,
+        from: Lsn,
+        to: Lsn,
+    ) {
         let shared = self.clone();
-        let addr = self.cfg.safekeepers[sk].clone();
         let ttid = self.cfg.ttid;
         tokio::spawn(async move {
             tracing::info!(safekeeper = %addr, %from, %to, "fetching WAL");
             let event = match fetch::fetch_wal(&addr, ttid, term, from, to).await {
                 Ok(wal) => Event::Fetched {
+                    id,
                     from,
                     wal: Bytes::from(wal),
                 },
                 Err(e) => Event::FetchFailed {
+                    id,
                     reason: format!("from {addr}: {e}"),
                 },
             };
             shared.step(event);
         });
     }
+
+    fn spawn_safekeeper(self: &Arc<Self>, sk: SkId) {
+        let task = tokio::spawn(run_safekeeper(self.clone(), sk));
+        self.tasks.lock().expect("tasks lock").push(task);
+    }
 }
 
 /// A proposer: elected over its safekeepers, streaming to them.
 pub struct Proposer {
     shared: Arc<Shared>,
-    /// One task per safekeeper.
-    tasks: JoinSet<()>,
-    ticker: tokio::task::JoinHandle<()>,
+    ticker: JoinHandle<()>,
     term: Term,
     term_start: Lsn,
     history: TermHistory,
@@ -282,31 +354,32 @@ impl Proposer {
             commit_lsn: Lsn::INVALID,
             stepped_down: None,
             failed: false,
-            synced: 0,
+            synced: false,
             finishing: false,
         });
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 core: ProposerCore::new(cfg.core_config()),
+                addrs: cfg.safekeepers.clone(),
+                wake: (0..n).map(|_| Arc::new(Notify::new())).collect(),
                 out: (0..n).map(|_| VecDeque::new()).collect(),
+                running: vec![true; n],
                 errors: vec![None; n],
                 next_conn: 1,
                 failure: None,
                 stepped_down: None,
             }),
             progress,
-            wake: (0..n).map(|_| Notify::new()).collect(),
+            tasks: Mutex::new(Vec::new()),
             stop: CancellationToken::new(),
             cfg,
         });
-        let mut tasks = JoinSet::new();
         for sk in 0..n {
-            tasks.spawn(run_safekeeper(shared.clone(), sk));
+            shared.spawn_safekeeper(sk);
         }
         let ticker = tokio::spawn(run_ticker(shared.clone()));
         let mut proposer = Proposer {
             shared,
-            tasks,
             ticker,
             term: Term(0),
             term_start: Lsn::INVALID,
@@ -329,14 +402,11 @@ impl Proposer {
                     .errors
                     .iter()
                     .enumerate()
-                    .filter_map(|(i, e)| {
-                        e.as_ref()
-                            .map(|e| format!("{}: {e}", proposer.shared.cfg.safekeepers[i]))
-                    })
+                    .filter_map(|(i, e)| e.as_ref().map(|e| format!("{}: {e}", st.addrs[i])))
                     .collect();
                 Err(ProposerError::NoQuorum {
                     got: st.core.votes_granted(),
-                    need: proposer.shared.cfg.quorum(),
+                    need: st.core.quorum_description(),
                     timeout: ELECTION_TIMEOUT,
                     details: format!("{}; {}", st.core.describe(), errors.join("; ")),
                 })
@@ -355,9 +425,9 @@ impl Proposer {
         Ok(proposer)
     }
 
-    /// Our term.
+    /// Our term (it grows when a membership change makes the proposer re-elect itself).
     pub fn term(&self) -> Term {
-        self.term
+        self.shared.lock().core.term()
     }
 
     /// Where this term's WAL begins (the donor's flush LSN).
@@ -399,6 +469,9 @@ impl Proposer {
                 return Err(ProposerError::Discontinuous { expected, got });
             }
             Err(PushError::NotElected) => {
+                if let Some(reason) = st.failure.clone() {
+                    return Err(ProposerError::Recovery(reason));
+                }
                 return Err(ProposerError::SteppedDown {
                     ours: self.term,
                     seen: self.progress().stepped_down.unwrap_or(self.term),
@@ -420,9 +493,7 @@ impl Proposer {
     /// a commit LSN at or above it. Returns the LSN (the end of WAL after the election).
     pub async fn sync(&self) -> Result<Lsn, ProposerError> {
         let start = self.term_start;
-        let quorum = self.shared.cfg.quorum();
-        self.wait_for(|p| p.commit_lsn >= start && p.synced >= quorum)
-            .await?;
+        self.wait_for(|p| p.commit_lsn >= start && p.synced).await?;
         Ok(start)
     }
 
@@ -480,7 +551,8 @@ impl Proposer {
             None => {
                 let mut last_err = String::from("no safekeeper to read from");
                 let mut got = None;
-                for addr in &self.shared.cfg.safekeepers {
+                let addrs = self.shared.lock().addrs.clone();
+                for addr in &addrs {
                     match fetch::fetch_wal(addr, self.shared.cfg.ttid, self.term, from, end).await {
                         Ok(t) => {
                             got = Some(t);
@@ -522,13 +594,23 @@ impl Proposer {
 
     /// Ends streaming gracefully: every connected safekeeper gets the buffered WAL and the final
     /// commit LSN before its stream is closed. Waits at most `timeout`, then stops anyway.
-    pub async fn finish(mut self, timeout: Duration) {
+    pub async fn finish(self, timeout: Duration) {
         self.shared.progress.send_modify(|p| p.finishing = true);
-        for w in &self.shared.wake {
+        for w in &self.shared.lock().wake {
             w.notify_one();
         }
         let shared = self.shared.clone();
-        let all = async { while self.tasks.join_next().await.is_some() {} };
+        let all = async {
+            loop {
+                let tasks = std::mem::take(&mut *shared.tasks.lock().expect("tasks lock"));
+                if tasks.is_empty() {
+                    break;
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+            }
+        };
         if tokio::time::timeout(timeout, all).await.is_err() {
             tracing::warn!(
                 "some safekeepers did not finish within {timeout:?}: {}",
@@ -539,22 +621,37 @@ impl Proposer {
     }
 
     /// Stops streaming at once.
-    pub async fn shutdown(mut self) {
+    pub async fn shutdown(self) {
         self.shared.stop.cancel();
-        self.tasks.abort_all();
         self.ticker.abort();
-        while self.tasks.join_next().await.is_some() {}
+        let tasks = std::mem::take(&mut *self.shared.tasks.lock().expect("tasks lock"));
+        for t in &tasks {
+            t.abort();
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
     }
 }
 
 /// Streams to safekeeper `sk` for the life of the proposer, reconnecting with backoff.
 async fn run_safekeeper(shared: Arc<Shared>, sk: SkId) {
-    let addr = shared.cfg.safekeepers[sk].clone();
+    let (addr, wake) = {
+        let st = shared.lock();
+        (st.addrs[sk].clone(), st.wake[sk].clone())
+    };
     let mut backoff = Duration::from_millis(100);
     loop {
         let p = *shared.progress.borrow();
         if shared.stop.is_cancelled() || p.stepped_down.is_some() || p.failed || p.finishing {
             return;
+        }
+        {
+            let mut st = shared.lock();
+            if st.core.retired(sk) {
+                st.running[sk] = false;
+                return;
+            }
         }
         let connect = connect_push(
             &addr,
@@ -573,7 +670,7 @@ async fn run_safekeeper(shared: Arc<Shared>, sk: SkId) {
                     id
                 };
                 shared.step(Event::Connected { sk, conn });
-                let r = serve(&shared, sk, conn, reader, writer).await;
+                let r = serve(&shared, sk, conn, &wake, reader, writer).await;
                 shared.step(Event::Disconnected { sk, conn });
                 r
             }
@@ -583,6 +680,7 @@ async fn run_safekeeper(shared: Arc<Shared>, sk: SkId) {
         match result {
             Ok(Done::Finished) => return,
             Ok(Done::Stopped) => return,
+            Ok(Done::Reconnect) => backoff = Duration::from_millis(100),
             Err(e) => {
                 // A stream that worked for a while starts the backoff over; one that fails at
                 // once (refused, rejected by the safekeeper) backs off more.
@@ -607,6 +705,8 @@ enum Done {
     Finished,
     /// The proposer stopped.
     Stopped,
+    /// The core asked for a new connection.
+    Reconnect,
 }
 
 /// Runs one connection: writes what the core queued for it, feeds replies to the core.
@@ -614,6 +714,7 @@ async fn serve(
     shared: &Arc<Shared>,
     sk: SkId,
     conn: ConnId,
+    wake: &Notify,
     mut reader: PushReader,
     mut writer: PushWriter,
 ) -> Result<Done, String> {
@@ -626,7 +727,11 @@ async fn serve(
                 match out {
                     Out::Msg(c, msg) if c == conn => batch.push(msg),
                     Out::Close(c, reason) if c == conn => {
-                        close = Some(reason);
+                        close = Some(Err(reason));
+                        break;
+                    }
+                    Out::Reconnect(c) if c == conn => {
+                        close = Some(Ok(Done::Reconnect));
                         break;
                     }
                     _ => {} // for a connection that is gone
@@ -639,8 +744,8 @@ async fn serve(
             writer.queue(&msg).map_err(|e| e.to_string())?;
         }
         writer.flush().await.map_err(|e| e.to_string())?;
-        if let Some(reason) = close {
-            return Err(reason);
+        if let Some(done) = close {
+            return done;
         }
         if finish {
             // Everything sent, the commit LSN included: end the stream and let the safekeeper
@@ -657,7 +762,7 @@ async fn serve(
                 let msg = reply.map_err(|e| e.to_string())?;
                 shared.step(Event::Received { sk, conn, msg });
             }
-            _ = shared.wake[sk].notified() => {}
+            _ = wake.notified() => {}
             _ = shared.stop.cancelled() => return Ok(Done::Stopped),
         }
         let p = *shared.progress.borrow();
@@ -692,9 +797,9 @@ async fn run_ticker(shared: Arc<Shared>) {
             tracing::warn!(
                 commit = %p.commit_lsn,
                 end = %p.end_lsn,
-                "commit stalled for {:?}: a quorum of {} has not acknowledged; {}",
+                "commit stalled for {:?}: {} has not acknowledged; {}",
                 since.elapsed(),
-                shared.cfg.quorum(),
+                st.core.quorum_description(),
                 st.core.describe()
             );
         }

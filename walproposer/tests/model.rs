@@ -50,16 +50,17 @@ use safekeeper::wal_store::prepare::{Background, Inline};
 use safekeeper::wal_store::{WalFileOptions, WalFileStore};
 use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
 use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
-use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
+use sk_core::state::{Configuration, SafekeeperId, ServerInfo, TimelinePersistentState};
 use sk_core::storage::fs::{FileSystem, Fs, SimFs};
 use sk_core::storage::mem::{MemControlStore, MemWalStore};
 use sk_core::storage::{ControlStore, WalStore};
-use sk_core::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId};
+use sk_core::types::{
+    Generation, Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId,
+};
 use walproposer::consensus::{Action, ConnId, CoreConfig, Event, Phase, ProposerCore};
 
-const N_ACC: usize = 3;
+const N_ACC: usize = 5;
 const N_PROP: usize = 2;
-const QUORUM: usize = N_ACC / 2 + 1;
 const STEPS: usize = 400;
 /// Steps of the long-schedule variants (deeper histories, bigger logs).
 const LONG_STEPS: usize = 3000;
@@ -482,6 +483,7 @@ impl ModelProposer {
 
 /// A fetch the core asked for, answered by a later step (or failed).
 struct PendingFetch {
+    id: u64,
     p: usize,
     incarnation: u64,
     sk: usize,
@@ -510,6 +512,10 @@ struct Stats {
     fetch_failures: u64,
     committed_bytes: u64,
     stale_delivered: u64,
+    /// Configurations the operator switched to (joint and final), and re-elections the
+    /// proposers started on learning one.
+    membership_switches: u64,
+    reconfigurations: u64,
     acceptor_errors: BTreeMap<String, u64>,
     closes: BTreeMap<String, u64>,
     backend: BTreeMap<&'static str, u64>,
@@ -531,6 +537,8 @@ impl Stats {
         self.fetch_failures += s.fetch_failures;
         self.committed_bytes += s.committed_bytes;
         self.stale_delivered += s.stale_delivered;
+        self.membership_switches += s.membership_switches;
+        self.reconfigurations += s.reconfigurations;
         for (k, v) in s.acceptor_errors {
             *self.acceptor_errors.entry(k).or_default() += v;
         }
@@ -543,8 +551,72 @@ impl Stats {
     }
 }
 
+/// How a seed configures membership.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Generation 0: all five acceptors are members; a quorum is three of them.
+    Legacy,
+    /// Generation 1 with members a0, a1, a2 (a quorum is two of them); a3 and a4 are not
+    /// members and refuse the proposers.
+    Fixed,
+    /// Starts as `Fixed`; an operator replaces one member at a time with the procedure of
+    /// `docs/durability.md` (joint configuration, wait for the switch condition, new
+    /// configuration), one acceptor per step, while proposers run and faults happen.
+    Replacing,
+}
+
+impl Mode {
+    fn of_seed(seed: u64) -> Mode {
+        [Mode::Legacy, Mode::Fixed, Mode::Replacing][(seed % 3) as usize]
+    }
+}
+
+/// Where the operator of [`Mode::Replacing`] is in the procedure.
+#[derive(Clone, Debug)]
+enum OpPhase {
+    /// `members` is the configuration.
+    Idle,
+    /// The joint configuration (`members`, `new`) is being applied; `t_b` is the highest term
+    /// among a majority of `members` once that majority switched to it.
+    Joint { t_b: Option<Term> },
+    /// The switch condition held: `new` alone is being applied.
+    Switch,
+}
+
+#[derive(Clone, Debug)]
+struct Operator {
+    generation: u32,
+    members: Vec<usize>,
+    new: Vec<usize>,
+    /// Acceptors that took the configuration of the current phase.
+    applied: Vec<usize>,
+    phase: OpPhase,
+}
+
+fn safekeeper_id(a: usize) -> SafekeeperId {
+    SafekeeperId {
+        id: NodeId(a as u64 + 1),
+        host: format!("a{a}"),
+        pg_port: 5432,
+    }
+}
+
+fn configuration(generation: u32, members: &[usize], new: Option<&[usize]>) -> Configuration {
+    Configuration {
+        generation: Generation(generation),
+        members: members.iter().map(|&a| safekeeper_id(a)).collect(),
+        new_members: new.map(|n| n.iter().map(|&a| safekeeper_id(a)).collect()),
+    }
+}
+
+fn majority(set: &[usize], has: impl Fn(usize) -> bool) -> bool {
+    set.iter().filter(|&&a| has(a)).count() > set.len() / 2
+}
+
 struct Cluster<B: Backend> {
     rng: SmallRng,
+    mode: Mode,
+    operator: Operator,
     trace: bool,
     backend: B,
     acceptors: Vec<Option<Sk<B>>>,
@@ -594,7 +666,7 @@ struct LogCheck {
     last_term: Term,
 }
 
-fn core_config<B: Backend>() -> CoreConfig {
+fn core_config<B: Backend>(mode: Mode) -> CoreConfig {
     let mut cfg = CoreConfig::new(
         N_ACC,
         TenantTimelineId {
@@ -610,19 +682,42 @@ fn core_config<B: Backend>() -> CoreConfig {
     // fetch.
     cfg.max_retained_committed = 64 << 10;
     cfg.max_in_flight = 256 << 10;
+    // Every acceptor is configured, so a safekeeper's index is its acceptor's; the membership
+    // decides which of them count.
+    cfg.addrs = (0..N_ACC).map(|a| format!("a{a}:5432")).collect();
+    if mode != Mode::Legacy {
+        cfg.mconf = configuration(1, &[0, 1, 2], None);
+    }
     cfg
 }
 
 impl<B: Backend> Cluster<B> {
-    fn new(seed: u64, trace: bool) -> Cluster<B> {
+    fn new(seed: u64, trace: bool, mode: Mode) -> Cluster<B> {
         let mut rng = SmallRng::seed_from_u64(seed);
         let fault_rate = [0.005, 0.02, 0.06, 0.15][rng.random_range(0..4)];
         let mut backend = B::new(&mut rng);
+        let mut acceptors: Vec<Option<Sk<B>>> =
+            (0..N_ACC).map(|a| Some(backend.new_acceptor(a))).collect();
+        if mode != Mode::Legacy {
+            // The timeline was created with members a0, a1, a2.
+            for acc in acceptors.iter_mut().take(3).flatten() {
+                acc.set_membership(configuration(1, &[0, 1, 2], None))
+                    .expect("the first configuration");
+            }
+        }
         Cluster {
             rng,
+            mode,
+            operator: Operator {
+                generation: 1,
+                members: vec![0, 1, 2],
+                new: Vec::new(),
+                applied: Vec::new(),
+                phase: OpPhase::Idle,
+            },
             fault_rate,
             trace,
-            acceptors: (0..N_ACC).map(|a| Some(backend.new_acceptor(a))).collect(),
+            acceptors,
             backend,
             proposers: (0..N_PROP).map(|_| ModelProposer::new()).collect(),
             conns: (0..N_PROP)
@@ -941,10 +1036,23 @@ impl<B: Backend> Cluster<B> {
                         self.drop_conn(p, sk, &format!("proposer closes: {reason}"));
                     }
                 }
-                Action::Fetch { sk, term, from, to } => {
+                Action::Reconnect { sk, conn, reason } => {
+                    *self.stats.closes.entry("reconnect".into()).or_default() += 1;
+                    if self.conns[p][sk].id == conn {
+                        self.drop_conn(p, sk, &format!("proposer reconnects: {reason}"));
+                    }
+                }
+                Action::Fetch {
+                    id,
+                    sk,
+                    term,
+                    from,
+                    to,
+                } => {
                     self.log(|| format!("p{p} fetches [{from}, {to}) from a{sk} in term {term}"));
                     let incarnation = self.proposers[p].incarnation;
                     self.fetches.push(PendingFetch {
+                        id,
                         p,
                         incarnation,
                         sk,
@@ -965,13 +1073,30 @@ impl<B: Backend> Cluster<B> {
                     self.stop_proposer(p, &format!("election failed: {reason}"));
                     return;
                 }
+                Action::Reconfigured { mconf } => {
+                    self.stats.reconfigurations += 1;
+                    self.log(|| {
+                        let core = self.proposers[p].core.as_ref().expect("running");
+                        format!(
+                            "p{p} adopts generation {}: {}",
+                            mconf.generation,
+                            core.describe()
+                        )
+                    });
+                }
+                Action::AddSafekeeper { sk, id } => {
+                    assert_eq!(sk as u64 + 1, id.id.0, "every acceptor is configured");
+                }
+                Action::RetireSafekeeper { sk } => {
+                    self.log(|| format!("p{p} retires a{sk}"));
+                }
             }
         }
     }
 
     fn start_campaign(&mut self, p: usize) {
         let prop = &mut self.proposers[p];
-        prop.core = Some(ProposerCore::new(core_config::<B>()));
+        prop.core = Some(ProposerCore::new(core_config::<B>(self.mode)));
         prop.log = None;
         prop.rec_ends.clear();
         prop.wal_gen = None;
@@ -1018,6 +1143,19 @@ impl<B: Backend> Cluster<B> {
             term_start.max(B::START),
             "p{p}: the term starts at the donor's flush LSN"
         );
+        if let Some(log) = self.proposers[p]
+            .log
+            .as_ref()
+            .filter(|_| self.proposers[p].wal_gen.is_some())
+        {
+            // Re-electing after a membership change: the core continues its own WAL, so the
+            // new donor's WAL must be a prefix of it (the core checks the histories).
+            assert!(
+                log.starts_with(&wal),
+                "p{p} re-elected with donor a{donor} whose WAL is not a prefix of its own"
+            );
+            return;
+        }
         self.proposers[p].log = Some(wal);
     }
 
@@ -1051,6 +1189,11 @@ impl<B: Backend> Cluster<B> {
             self.committed[..required_len],
             "elected proposer p{p} in term {term} disagrees with WAL committed in earlier terms"
         );
+        if let Some(wal_gen) = self.proposers[p].wal_gen.as_mut() {
+            // Re-elected: the same WAL continues; new records carry the new term.
+            wal_gen.set_xid(u32::try_from(term.0).expect("model terms stay small"));
+            return;
+        }
         // Continue the donor's xl_prev chain; stamp this term's records with the term.
         let rec = records(&log, B::START, B::SEG, &format!("p{p}'s donor WAL"));
         let mut wal_gen = WalGenerator::new(SYSTEM_ID, B::SEG as u64, term_start)
@@ -1091,13 +1234,32 @@ impl<B: Backend> Cluster<B> {
         let by_term = self.commit_by_term.entry(term).or_default();
         *by_term = (*by_term).max(commit);
         self.stats.commits_observed += 1;
-        self.log(|| format!("p{p} (term {term}) commits {commit}"));
+        self.log(|| {
+            let core = self.proposers[p].core.as_ref().expect("running");
+            format!(
+                "p{p} (term {term}) commits {commit} with {}: {}",
+                core.quorum_description(),
+                core.describe()
+            )
+        });
+    }
+
+    /// Whether `p` takes WAL: elected, or re-electing itself after a membership change (the
+    /// WAL waits in its buffer).
+    fn can_push(&self, p: usize) -> bool {
+        let prop = &self.proposers[p];
+        match prop.phase() {
+            Some(Phase::Elected) => true,
+            Some(Phase::Greeting | Phase::Voting | Phase::Recovering) => prop.wal_gen.is_some(),
+            _ => false,
+        }
     }
 
     fn append_record(&mut self, p: usize) {
-        if self.proposers[p].phase() != Some(Phase::Elected) {
+        if !self.can_push(p) {
             return;
         }
+        let phase = self.proposers[p].phase().expect("running");
         let len = B::message_len(&mut self.rng);
         let mut message = vec![p as u8; len];
         self.rng.fill(&mut message[..]);
@@ -1115,7 +1277,7 @@ impl<B: Backend> Cluster<B> {
         let core = prop.core.as_mut().expect("elected");
         core.push(at, bytes)
             .expect("pushes continue the core's WAL");
-        self.after_core(p, Phase::Elected);
+        self.after_core(p, phase);
     }
 
     /// Answers the oldest fetch of a random proposer: the walsender serves durable WAL while
@@ -1156,13 +1318,14 @@ impl<B: Backend> Cluster<B> {
                     f.p
                 );
                 Event::Fetched {
+                    id: f.id,
                     from: f.from,
                     wal: Bytes::from(wal),
                 }
             }
             Err(reason) => {
                 self.stats.fetch_failures += 1;
-                Event::FetchFailed { reason }
+                Event::FetchFailed { id: f.id, reason }
             }
         };
         self.step_core(f.p, event);
@@ -1190,7 +1353,7 @@ impl<B: Backend> Cluster<B> {
 
     fn check(&mut self) {
         let committed_end = Lsn(B::START.0 + self.committed.len() as u64);
-        let mut holders = 0;
+        let mut holders = Vec::with_capacity(N_ACC);
         // Per acceptor: the term of its newest durable WAL and how far that WAL agrees with
         // the committed WAL.
         let mut held: Vec<(Term, usize)> = Vec::with_capacity(N_ACC);
@@ -1247,11 +1410,10 @@ impl<B: Backend> Cluster<B> {
                 self.committed[..upto],
                 "a{a}: committed bytes differ from the committed WAL"
             );
-            if durable.len() >= self.committed.len()
-                && durable[..self.committed.len()] == self.committed[..]
-            {
-                holders += 1;
-            }
+            holders.push(
+                durable.len() >= self.committed.len()
+                    && durable[..self.committed.len()] == self.committed[..],
+            );
             let agree = common_prefix(&durable, &self.committed);
             held.push((hist.last_log_term(), agree));
         }
@@ -1259,20 +1421,22 @@ impl<B: Backend> Cluster<B> {
         // in term T is held, durably, by a quorum whose newest WAL is of term T or later (the
         // donor is chosen by `(last_log_term, flush_lsn)`). A quorum holding the bytes under an
         // older term is not enough: a newer term's WAL elsewhere wins the next election.
+        // The quorums that must hold it are those of the configuration in force.
+        let sets = self.quorum_sets();
         for (&term, &lsn) in &self.commit_by_term {
             let len = (lsn.0 - B::START.0) as usize;
             if len == 0 {
                 continue; // no WAL committed yet, nothing to lose
             }
-            let safe = held
-                .iter()
-                .filter(|&&(llt, agree)| llt >= term && agree >= len)
-                .count();
-            assert!(
-                safe >= QUORUM,
-                "WAL committed up to {lsn} in term {term} is held under term {term} or later by \
-                 only {safe} acceptors ({held:?}): the next election may lose it"
-            );
+            for set in &sets {
+                assert!(
+                    majority(set, |a| held[a].0 >= term && held[a].1 >= len),
+                    "WAL committed up to {lsn} in term {term} is held under term {term} or later \
+                     by no majority of {set:?} ({held:?}): the next election may lose it \
+                     (operator: {:?})",
+                    self.operator
+                );
+            }
         }
         // Pairwise log safety.
         for a in 0..N_ACC {
@@ -1287,10 +1451,140 @@ impl<B: Backend> Cluster<B> {
                 }
             }
         }
-        assert!(
-            holders >= QUORUM,
-            "committed WAL up to {committed_end} is durable on only {holders} acceptors"
-        );
+        for set in &sets {
+            assert!(
+                majority(set, |a| holders[a]),
+                "committed WAL up to {committed_end} is durable on no majority of {set:?} \
+                 ({holders:?})"
+            );
+        }
+    }
+
+    /// The acceptor sets a majority of which must hold committed WAL: the configuration in
+    /// force (during a replacement: the old one until the switch condition holds, then the new
+    /// one).
+    fn quorum_sets(&self) -> Vec<Vec<usize>> {
+        match self.mode {
+            Mode::Legacy => vec![(0..N_ACC).collect()],
+            Mode::Fixed => vec![vec![0, 1, 2]],
+            Mode::Replacing => match self.operator.phase {
+                OpPhase::Idle | OpPhase::Joint { .. } => vec![self.operator.members.clone()],
+                OpPhase::Switch => vec![self.operator.new.clone()],
+            },
+        }
+    }
+
+    // ----- the operator -------------------------------------------------------------------
+
+    /// One step of the replacement procedure (`docs/durability.md`), done as the real
+    /// operator (`scripts/local-cluster replace`) does it, through `SafeKeeper::set_membership`
+    /// (the daemon's `PUT …/membership`).
+    fn operator_step(&mut self) {
+        let op = &self.operator;
+        match op.phase.clone() {
+            OpPhase::Idle => {
+                let out = op.members[self.rng.random_range(0..op.members.len())];
+                let spare: Vec<usize> = (0..N_ACC).filter(|a| !op.members.contains(a)).collect();
+                let into = spare[self.rng.random_range(0..spare.len())];
+                let mut new: Vec<usize> = op
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|&a| a != out)
+                    .chain([into])
+                    .collect();
+                new.sort_unstable();
+                self.log(|| {
+                    format!(
+                        "operator: replace a{out} by a{into}: joint {:?} + {new:?}",
+                        op.members
+                    )
+                });
+                let op = &mut self.operator;
+                op.generation += 1;
+                op.new = new;
+                op.applied.clear();
+                op.phase = OpPhase::Joint { t_b: None };
+                self.stats.membership_switches += 1;
+            }
+            OpPhase::Joint { t_b } => {
+                let cfg = configuration(op.generation, &op.members, Some(&op.new));
+                self.apply_one(&cfg);
+                let op = &self.operator;
+                let t_b = match t_b {
+                    Some(t) => t,
+                    None if majority(&op.members, |a| op.applied.contains(&a)) => {
+                        // The old generation can no longer elect or commit: any later term is
+                        // elected in the joint configuration.
+                        let t = op
+                            .applied
+                            .iter()
+                            .filter(|a| op.members.contains(a))
+                            .map(|&a| self.sk(a).term())
+                            .max()
+                            .unwrap_or(Term(0));
+                        self.operator.phase = OpPhase::Joint { t_b: Some(t) };
+                        t
+                    }
+                    None => return,
+                };
+                // The switch condition: a majority of the new set holds WAL up to the start of
+                // a term elected after the joint configuration took over.
+                let op = &self.operator;
+                let caught_up = |a: usize| {
+                    let sk = self.sk(a);
+                    let flush = sk.flush_lsn();
+                    sk.get_term_history()
+                        .0
+                        .iter()
+                        .any(|e| e.term > t_b && e.lsn <= flush)
+                };
+                if majority(&op.new, caught_up) {
+                    self.log(|| {
+                        format!(
+                            "operator: switch condition holds (T_b {t_b}); switching to {:?}",
+                            op.new
+                        )
+                    });
+                    let op = &mut self.operator;
+                    op.generation += 1;
+                    op.applied.clear();
+                    op.phase = OpPhase::Switch;
+                    self.stats.membership_switches += 1;
+                }
+            }
+            OpPhase::Switch => {
+                let cfg = configuration(op.generation, &op.new, None);
+                self.apply_one(&cfg);
+                let op = &mut self.operator;
+                let all: Vec<usize> = op.members.iter().chain(&op.new).copied().collect();
+                if all.iter().all(|a| op.applied.contains(a)) {
+                    op.members = std::mem::take(&mut op.new);
+                    op.phase = OpPhase::Idle;
+                }
+            }
+        }
+    }
+
+    /// Switches one acceptor of the current procedure step that has not switched yet.
+    fn apply_one(&mut self, cfg: &Configuration) {
+        let op = &self.operator;
+        let pending: Vec<usize> = op
+            .members
+            .iter()
+            .chain(&op.new)
+            .copied()
+            .filter(|a| !op.applied.contains(a))
+            .collect();
+        if pending.is_empty() {
+            return;
+        }
+        let a = pending[self.rng.random_range(0..pending.len())];
+        self.sk_mut(a)
+            .set_membership(cfg.clone())
+            .unwrap_or_else(|e| panic!("a{a} refused generation {}: {e}", cfg.generation));
+        self.log(|| format!("operator: a{a} now in generation {}", cfg.generation));
+        self.operator.applied.push(a);
     }
 
     /// Checks the terms of the records of acceptor `a`'s durable WAL against its history,
@@ -1313,9 +1607,17 @@ impl<B: Backend> Cluster<B> {
         {
             let rec_term = record_term(durable, B::START, lsn);
             let by_history = hist.0.iter().rev().find(|e| e.lsn <= lsn).map(|e| e.term);
-            assert_eq!(
-                by_history,
-                Some(rec_term),
+            // A proposer that re-elected itself after a membership change re-sends the WAL it
+            // buffered in its earlier term (its own records and those of its first donor) in the
+            // new one.
+            let reelected = |t: Term| {
+                t > rec_term
+                    && self.elected.get(&t).is_some_and(|who| {
+                        self.elected.range(..t).any(|(_, earlier)| earlier == who)
+                    })
+            };
+            assert!(
+                by_history == Some(rec_term) || by_history.is_some_and(reelected),
                 "a{a}: record at {lsn} has term {rec_term}, history {hist:?}"
             );
             assert!(rec_term >= c.last_term, "a{a}: log terms decrease at {lsn}");
@@ -1358,10 +1660,13 @@ impl<B: Backend> Cluster<B> {
             }
             return;
         }
+        if self.mode == Mode::Replacing && self.rng.random_bool(0.02) {
+            return self.operator_step();
+        }
         match self.rng.random_range(0..100) {
             0..=54 => self.deliver_random(),
             55..=71 => {
-                if self.proposers[p].phase() == Some(Phase::Elected) {
+                if self.can_push(p) {
                     self.append_record(p);
                 } else {
                     self.deliver_random();
@@ -1458,7 +1763,7 @@ fn describe_pa(msg: &ProposerAcceptorMessage) -> String {
 /// Runs one seed; returns its stats. Panics (with the seed) on an invariant violation.
 fn run_seed<B: Backend>(seed: u64, steps: usize, trace: bool) -> Stats {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let mut c = Cluster::<B>::new(seed, trace);
+        let mut c = Cluster::<B>::new(seed, trace, Mode::of_seed(seed));
         for _ in 0..steps {
             c.step();
             c.check();
@@ -1542,7 +1847,9 @@ fn run_many<B: Backend>(default_seeds: u64, default_steps: usize) {
                 && total.replies_reordered > 0
                 && total.stale_delivered > 0
                 && total.process_crashes > 0
-                && total.power_losses_after_process_crash > 0,
+                && total.power_losses_after_process_crash > 0
+                && total.membership_switches > 0
+                && total.reconfigurations > 0,
             "a fault kind never happened: {total:?}"
         );
     }
@@ -1572,7 +1879,7 @@ fn model_replay_one_seed() {
 #[test]
 fn start_point_is_not_an_acknowledgement_issue_12_trace() {
     let (a, b, c) = (0, 1, 2);
-    let mut cl = Cluster::<Mem>::new(0, std::env::var("MODEL_TRACE").is_ok());
+    let mut cl = Cluster::<Mem>::new(0, std::env::var("MODEL_TRACE").is_ok(), Mode::Fixed);
     cl.scripted = true;
     let term_of = |cl: &Cluster<Mem>, p: usize| cl.proposers[p].core.as_ref().map(|c| c.term());
 

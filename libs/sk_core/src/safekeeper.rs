@@ -19,7 +19,7 @@ use crate::protocol::{
     AcceptorGreeting, AcceptorProposerMessage, AppendRequest, AppendResponse, HotStandbyFeedback,
     ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
 };
-use crate::state::TimelinePersistentState;
+use crate::state::{Configuration, SafekeeperId, TimelinePersistentState};
 use crate::storage::{self, ControlStore, WalStore};
 use crate::types::{
     Generation, Lsn, NodeId, TenantTimelineId, Term, TermHistory, TermHistoryError,
@@ -68,6 +68,17 @@ pub enum SafeKeeperError {
         /// The message's.
         theirs: Generation,
     },
+    /// A membership configuration that is not newer than the one in force.
+    #[error("membership generation {theirs} is not newer than ours ({ours}) with other members")]
+    MembershipNotNewer {
+        /// The generation in force.
+        ours: Generation,
+        /// The one offered.
+        theirs: Generation,
+    },
+    /// A malformed membership configuration.
+    #[error("invalid membership configuration: {0}")]
+    InvalidMembership(String),
     /// An append of the current term before the `ProposerElected` that starts it.
     #[error("append in term {theirs} before ProposerElected (our term {ours})")]
     AppendBeforeElected {
@@ -334,6 +345,40 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
             self.update_commit_lsn(peer_commit_lsn)?;
         }
         Ok(())
+    }
+
+    /// Switches to membership configuration `mconf` (the operator's `PUT …/membership`),
+    /// durably before it returns. Only forward: a lower generation, or the same generation with
+    /// other members, is refused; the configuration in force again is a no-op. Returns whether
+    /// it changed anything. Messages of other generations are refused from now on; a node that
+    /// is not a member keeps its WAL but takes no part.
+    pub fn set_membership(&mut self, mconf: Configuration) -> Result<bool, SafeKeeperError> {
+        let ours = &self.control.mconf;
+        if mconf == *ours {
+            return Ok(false);
+        }
+        if mconf.generation <= ours.generation {
+            return Err(SafeKeeperError::MembershipNotNewer {
+                ours: ours.generation,
+                theirs: mconf.generation,
+            });
+        }
+        let valid_half = |half: &[SafekeeperId]| {
+            let mut ids: Vec<NodeId> = half.iter().map(|m| m.id).collect();
+            ids.sort_unstable();
+            ids.dedup();
+            !half.is_empty() && ids.len() == half.len()
+        };
+        if !valid_half(&mconf.members) || !mconf.new_members.as_deref().is_none_or(valid_half) {
+            return Err(SafeKeeperError::InvalidMembership(format!(
+                "generation {}: each half of the configuration needs members with unique node ids",
+                mconf.generation
+            )));
+        }
+        let mut s = self.state_with_inmem();
+        s.mconf = mconf;
+        self.control.persist(&s)?;
+        Ok(true)
     }
 
     /// HTTP term bump: raises the term to `to` (if higher) or by one, durably, so the current

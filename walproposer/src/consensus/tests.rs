@@ -115,6 +115,18 @@ impl Harness {
         out
     }
 
+    /// The id of the last fetch the core asked for.
+    fn fetch_id(&self) -> u64 {
+        self.actions
+            .iter()
+            .rev()
+            .find_map(|a| match a {
+                Action::Fetch { id, .. } => Some(*id),
+                _ => None,
+            })
+            .expect("a fetch was asked for")
+    }
+
     fn commits(&self) -> Vec<Lsn> {
         self.actions
             .iter()
@@ -256,7 +268,9 @@ fn a_start_point_is_not_an_acknowledgement() {
         _ => None,
     });
     assert_eq!(fetch, Some((0, Lsn(0x100_0000), Lsn(0x100_0100))));
+    let id = t.fetch_id();
     t.step(Event::Fetched {
+        id,
         from: Lsn(0x100_0000),
         wal: Bytes::from(vec![7u8; 0x100]),
     });
@@ -408,7 +422,9 @@ fn late_voter_below_the_buffer_is_caught_up_by_a_fetch() {
         "from the donor"
     );
     assert!(elected_start(&t.sent_to(2)).is_none(), "waits for the WAL");
+    let id = t.fetch_id();
     t.step(Event::Fetched {
+        id,
         from: Lsn(0x100_0800),
         wal: Bytes::from(vec![3u8; 0x800]),
     });
@@ -427,7 +443,9 @@ fn failed_recovery_fails_the_election() {
     t.recv(0, vote(1, true, 0x100_0100, h(&[(0, 0x100_0000)])));
     t.recv(1, vote(1, true, 0, h(&[])));
     assert_eq!(t.core.phase(), Phase::Recovering);
+    let id = t.fetch_id();
     t.step(Event::FetchFailed {
+        id,
         reason: "connection refused".into(),
     });
     assert_eq!(t.core.phase(), Phase::Stopped);
@@ -465,4 +483,298 @@ fn idle_streams_get_a_heartbeat_each_tick() {
         appends(&t.sent_to(0)),
         vec![(Lsn(0x100_0000), Lsn(0x100_0000), Lsn(0))]
     );
+}
+
+// ----- membership ------------------------------------------------------------------------------
+
+fn member(node: u64) -> SafekeeperId {
+    SafekeeperId {
+        id: NodeId(node),
+        host: format!("sk{node}"),
+        pg_port: 5454,
+    }
+}
+
+fn mconf(generation: u32, members: &[u64], new: Option<&[u64]>) -> Configuration {
+    Configuration {
+        generation: Generation(generation),
+        members: members.iter().map(|&n| member(n)).collect(),
+        new_members: new.map(|n| n.iter().map(|&n| member(n)).collect()),
+    }
+}
+
+/// The greeting of node `node` (safekeeper `node - 1`) in configuration `c`.
+fn greeting_of(node: u64, term: u64, c: &Configuration) -> AcceptorProposerMessage {
+    AcceptorProposerMessage::Greeting(AcceptorGreeting {
+        node_id: NodeId(node),
+        mconf: c.clone(),
+        term: Term(term),
+    })
+}
+
+fn vote_in(
+    generation: u32,
+    term: u64,
+    flush: u64,
+    history: TermHistory,
+) -> AcceptorProposerMessage {
+    AcceptorProposerMessage::VoteResponse(VoteResponse {
+        generation: Generation(generation),
+        term: Term(term),
+        vote_given: true,
+        flush_lsn: Lsn(flush),
+        truncate_lsn: Lsn(0),
+        term_history: history,
+    })
+}
+
+fn ack_in(generation: u32, term: u64, flush: u64) -> AcceptorProposerMessage {
+    AcceptorProposerMessage::AppendResponse(AppendResponse {
+        generation: Generation(generation),
+        term: Term(term),
+        flush_lsn: Lsn(flush),
+        commit_lsn: Lsn(0),
+        hs_feedback: HotStandbyFeedback::default(),
+        pageserver_feedback: None,
+    })
+}
+
+fn harness_in(n: usize, c: &Configuration) -> Harness {
+    let mut config = cfg(n);
+    config.addrs = (1..=n).map(|i| format!("sk{i}:5454")).collect();
+    config.mconf = c.clone();
+    Harness {
+        core: ProposerCore::new(config),
+        actions: Vec::new(),
+    }
+}
+
+/// Joint consensus: greetings, votes and acknowledgements all need a majority of the old
+/// members *and* of the new ones (node 3 is in both).
+#[test]
+fn a_joint_configuration_needs_a_majority_of_both_halves() {
+    let joint = mconf(1, &[1, 2, 3], Some(&[3, 4, 5]));
+    let mut t = harness_in(5, &joint);
+    for sk in 0..5 {
+        t.connect(sk);
+    }
+    for sk in 0..3 {
+        t.recv(sk, greeting_of(sk as u64 + 1, 0, &joint));
+    }
+    assert_eq!(
+        t.core.phase(),
+        Phase::Greeting,
+        "nodes 1-3: a majority of the old half, one of the new"
+    );
+    t.recv(3, greeting_of(4, 0, &joint));
+    assert_eq!(t.core.phase(), Phase::Voting);
+    assert!(t.sent_to(0).iter().any(|m| matches!(
+        m,
+        ProposerAcceptorMessage::VoteRequest(VoteRequest {
+            generation: Generation(1),
+            ..
+        })
+    )));
+    for sk in [0, 1, 3] {
+        t.recv(sk, vote_in(1, 1, 0, h(&[])));
+    }
+    assert_eq!(
+        t.core.phase(),
+        Phase::Voting,
+        "nodes 1, 2, 4: no majority of {{3, 4, 5}}"
+    );
+    t.recv(2, vote_in(1, 1, 0, h(&[])));
+    assert_eq!(t.core.phase(), Phase::Elected);
+    t.core
+        .push(Lsn(0x100_0000), Bytes::from(vec![1u8; 0x100]))
+        .unwrap();
+    let end = 0x100_0100;
+    t.recv(0, ack_in(1, 1, end));
+    t.recv(1, ack_in(1, 1, end));
+    t.recv(3, ack_in(1, 1, end));
+    assert!(
+        t.commits().is_empty(),
+        "nodes 1, 2, 4 acknowledged: the new half has only one"
+    );
+    t.recv(2, ack_in(1, 1, end));
+    assert_eq!(t.commits(), vec![Lsn(end)], "node 3 makes both majorities");
+    let elected_gen = t.sent_to(2).iter().find_map(|m| match m {
+        ProposerAcceptorMessage::Elected(e) => Some(e.generation),
+        _ => None,
+    });
+    assert_eq!(
+        elected_gen,
+        Some(Generation(1)),
+        "messages carry the generation"
+    );
+}
+
+/// Elects nodes 1-3 in generation 1 (members 1-3), streams `[start, start + 0x100)` and commits
+/// it on all three. Returns the harness.
+fn elected_in_generation_one() -> Harness {
+    let g1 = mconf(1, &[1, 2, 3], None);
+    let mut t = harness_in(3, &g1);
+    for sk in 0..3 {
+        t.connect(sk);
+        t.recv(sk, greeting_of(sk as u64 + 1, 0, &g1));
+    }
+    for sk in 0..3 {
+        t.recv(sk, vote_in(1, 1, 0, h(&[])));
+    }
+    assert_eq!(t.core.phase(), Phase::Elected);
+    t.core
+        .push(Lsn(0x100_0000), Bytes::from(vec![1u8; 0x100]))
+        .unwrap();
+    for sk in 0..3 {
+        t.recv(sk, ack_in(1, 1, 0x100_0100));
+    }
+    assert_eq!(t.core.commit_lsn(), Lsn(0x100_0100));
+    t.actions.clear();
+    t
+}
+
+/// A greeting shows a newer configuration: the proposer adopts it, adds the new member, retires
+/// the removed one, greets again, and re-elects itself with a higher term in the new generation
+/// while WAL pushed meanwhile waits; the new term continues the same WAL.
+#[test]
+fn a_newer_configuration_re_elects_in_it_and_keeps_the_wal() {
+    let mut t = elected_in_generation_one();
+    // An append answered before the change, still in flight on sk 1's connection.
+    t.core
+        .push(Lsn(0x100_0100), Bytes::from(vec![2u8; 0x80]))
+        .unwrap();
+    let joint = mconf(2, &[1, 2, 3], Some(&[1, 2, 4]));
+    // sk 0's safekeeper switched: it refused our append and closed; we reconnect.
+    t.drop_conn(0);
+    t.connect(0);
+    t.recv(0, greeting_of(1, 1, &joint));
+    assert!(
+        t.actions
+            .iter()
+            .any(|a| matches!(a, Action::Reconfigured { mconf } if *mconf == joint))
+    );
+    assert!(
+        t.actions.iter().any(|a| matches!(
+            a,
+            Action::AddSafekeeper { sk: 3, id } if id.id == NodeId(4) && id.host == "sk4"
+        )),
+        "node 4 is new: {:?}",
+        t.actions
+    );
+    assert_eq!(t.core.phase(), Phase::Greeting);
+    assert_eq!(t.core.mconf(), &joint);
+    // WAL keeps coming while the proposer re-elects itself.
+    t.core
+        .push(Lsn(0x100_0180), Bytes::from(vec![3u8; 0x80]))
+        .unwrap();
+    // The other connections carried the old term's appends: they are made anew (see
+    // `restart_election`), and greeted on the new connection.
+    for sk in [1, 2] {
+        assert!(
+            t.actions
+                .iter()
+                .any(|a| matches!(a, Action::Reconnect { sk: s, .. } if *s == sk)),
+            "sk{sk} reconnects"
+        );
+        assert!(!t.core.connected(sk));
+    }
+    t.connect(1);
+    assert!(matches!(
+        t.sent_to(1)[..],
+        [.., ProposerAcceptorMessage::Greeting(ref g)] if g.mconf == joint
+    ));
+    t.recv(1, greeting_of(2, 1, &joint));
+    t.connect(3);
+    t.recv(3, greeting_of(4, 0, &joint));
+    assert_eq!(
+        t.core.phase(),
+        Phase::Voting,
+        "nodes 1, 2, 4 make both majorities"
+    );
+    assert_eq!(t.core.term(), Term(2), "a term above ours");
+    // Node 2 holds everything (the donor); node 4 is empty.
+    t.recv(0, vote_in(2, 2, 0x100_0100, h(&[(1, 0x100_0000)])));
+    t.recv(1, vote_in(2, 2, 0x100_0180, h(&[(1, 0x100_0000)])));
+    assert_eq!(
+        t.core.phase(),
+        Phase::Elected,
+        "nodes 1 and 2 are a quorum: {:?}",
+        t.actions
+    );
+    assert_eq!(t.core.term_start(), Lsn(0x100_0180), "the donor is node 2");
+    assert_eq!(
+        t.core.end_lsn(),
+        Lsn(0x100_0200),
+        "the WAL pushed meanwhile is kept"
+    );
+    assert_eq!(t.core.history(), &h(&[(1, 0x100_0000), (2, 0x100_0180)]));
+    assert!(
+        !t.actions.iter().any(|a| matches!(a, Action::Fetch { .. })),
+        "the voters' WAL is all in the buffer"
+    );
+    // Node 4 is empty: it gets everything from the buffer, in the new term.
+    t.recv(3, vote_in(2, 2, 0, h(&[])));
+    let to_4 = t.sent_to(3);
+    assert_eq!(elected_start(&to_4), Some(Lsn(0x100_0000)));
+    assert!(to_4.iter().all(|m| match m {
+        ProposerAcceptorMessage::AppendRequest(a) => a.h.generation == Generation(2),
+        ProposerAcceptorMessage::Elected(e) => e.generation == Generation(2),
+        _ => true,
+    }));
+    // Commits in the new term need both halves: nodes 1 and 2 are a majority of each.
+    t.recv(0, ack_in(2, 2, 0x100_0200));
+    assert!(t.commits().is_empty());
+    t.recv(1, ack_in(2, 2, 0x100_0200));
+    assert_eq!(t.commits(), vec![Lsn(0x100_0200)]);
+}
+
+/// Removed members are retired (no more connections); a greeting from a node that is not a
+/// member retires it too.
+#[test]
+fn members_that_are_not_in_the_configuration_are_retired() {
+    let mut t = elected_in_generation_one();
+    let next = mconf(2, &[1, 2, 4], None);
+    t.drop_conn(0);
+    t.connect(0);
+    t.recv(0, greeting_of(1, 1, &next));
+    assert!(
+        t.actions
+            .iter()
+            .any(|a| matches!(a, Action::RetireSafekeeper { sk: 2 }))
+    );
+    assert!(t.core.retired(2) && !t.core.connected(2));
+    assert!(
+        t.actions
+            .iter()
+            .any(|a| matches!(a, Action::Close { sk: 2, .. }))
+    );
+    // Its reconnection is refused at once.
+    t.actions.clear();
+    t.connect(2);
+    assert!(matches!(t.actions[..], [Action::Close { sk: 2, .. }]));
+}
+
+/// If the new donor's WAL was written by a term we do not know (another proposer), our buffer
+/// does not continue it: the re-election fails instead of mixing two WAL streams.
+#[test]
+fn re_election_fails_if_the_donor_holds_another_proposers_wal() {
+    let mut t = elected_in_generation_one();
+    let next = mconf(2, &[1, 2, 3], None);
+    t.drop_conn(0);
+    t.connect(0);
+    t.recv(0, greeting_of(1, 5, &next));
+    t.drop_conn(1);
+    t.connect(1);
+    t.recv(1, greeting_of(2, 1, &next));
+    assert_eq!(t.core.term(), Term(6));
+    t.recv(
+        0,
+        vote_in(2, 6, 0x100_0200, h(&[(1, 0x100_0000), (5, 0x100_0100)])),
+    );
+    t.recv(1, vote_in(2, 6, 0x100_0100, h(&[(1, 0x100_0000)])));
+    assert_eq!(t.core.phase(), Phase::Stopped);
+    assert!(t.actions.iter().any(|a| matches!(
+        a,
+        Action::ElectionFailed { reason } if reason.contains("another proposer")
+    )));
 }

@@ -325,6 +325,53 @@ fn generation_mismatch_is_rejected() {
     assert!(matches!(r, Err(SafeKeeperError::GenerationMismatch { .. })));
 }
 
+#[test]
+fn set_membership_moves_forward_durably_and_refuses_older_generations() {
+    let mut sk = new_sk();
+    let joint = Configuration {
+        new_members: Some(mconf(2, &[1, 2, 4]).members),
+        ..mconf(2, &[1, 2, 3])
+    };
+    assert!(sk.set_membership(joint.clone()).unwrap());
+    assert!(
+        !sk.set_membership(joint.clone()).unwrap(),
+        "the same again is a no-op"
+    );
+    let mut sk = reboot(sk);
+    assert_eq!(sk.state().mconf, joint, "persisted before it returned");
+    assert!(matches!(
+        sk.set_membership(mconf(1, &[1, 2, 3])),
+        Err(SafeKeeperError::MembershipNotNewer { .. })
+    ));
+    assert!(matches!(
+        sk.set_membership(mconf(2, &[1, 2])),
+        Err(SafeKeeperError::MembershipNotNewer { .. })
+    ));
+    for bad in [
+        mconf(3, &[]),
+        mconf(3, &[1, 1, 2]),
+        Configuration {
+            new_members: Some(Vec::new()),
+            ..mconf(3, &[1, 2, 3])
+        },
+    ] {
+        assert!(matches!(
+            sk.set_membership(bad),
+            Err(SafeKeeperError::InvalidMembership(_))
+        ));
+    }
+    assert_eq!(sk.state().mconf, joint, "refusals change nothing");
+    // Messages of the old generation are refused from now on.
+    let r = sk.process_msg(&ProposerAcceptorMessage::VoteRequest(VoteRequest {
+        generation: Generation(1),
+        term: Term(1),
+    }));
+    assert!(matches!(r, Err(SafeKeeperError::GenerationMismatch { .. })));
+    // A node that is not a member of the next configuration keeps its state and takes it.
+    assert!(sk.set_membership(mconf(3, &[2, 3, 4])).unwrap());
+    assert_eq!(sk.state().mconf.generation, Generation(3));
+}
+
 // ----- elected -------------------------------------------------------------------------------
 
 #[test]
