@@ -41,7 +41,7 @@ pub const CONTROL_FILE_TMP_NAME: &str = "safekeeper.control.partial";
 /// First four bytes of every control file.
 pub const CONTROL_FILE_MAGIC: u32 = 0xcafe_ceef;
 /// Version of the layout described in [`encode`].
-pub const CONTROL_FILE_FORMAT_VERSION: u32 = 1;
+pub const CONTROL_FILE_FORMAT_VERSION: u32 = 2;
 /// Larger files are refused before being read.
 pub const MAX_CONTROL_FILE_SIZE: u64 = 1 << 20;
 
@@ -53,7 +53,7 @@ const CRC_LEN: usize = 4;
 /// Body layout: `[16] tenant_id`, `[16] timeline_id`; mconf = `u32 generation`, members,
 /// `u8 has_new_members` (0/1) then new members if 1, where a member list is `u32 n` then n ×
 /// (`u64 id`, `u32 host_len`, host UTF-8, `u16 pg_port`); acceptor state = `u64 term`, `u32 n`,
-/// n × (`u64 term`, `u64 lsn`); server = `u32 pg_version`, `u64 system_id`, `u32 wal_seg_size`;
+/// n × (`u64 term`, `u64 lsn`), `u32 elected_generation` (since version 2); server = `u32 pg_version`, `u64 system_id`, `u32 wal_seg_size`;
 /// `u64` timeline_start_lsn, local_start_lsn, commit_lsn, peer_horizon_lsn,
 /// remote_consistent_lsn; `u64 creation_ts`.
 pub fn encode(state: &TimelinePersistentState) -> Vec<u8> {
@@ -78,6 +78,7 @@ pub fn encode(state: &TimelinePersistentState) -> Vec<u8> {
         b.extend_from_slice(&e.term.0.to_le_bytes());
         b.extend_from_slice(&e.lsn.0.to_le_bytes());
     }
+    b.extend_from_slice(&state.acceptor_state.elected_generation.0.to_le_bytes());
     b.extend_from_slice(&state.server.pg_version.to_le_bytes());
     b.extend_from_slice(&state.server.system_id.to_le_bytes());
     b.extend_from_slice(&state.server.wal_seg_size.to_le_bytes());
@@ -186,9 +187,9 @@ pub fn decode(bytes: &[u8], file: &Path) -> Result<TimelinePersistentState> {
         return Err(corrupt(format!("bad magic {magic:#010x}")));
     }
     let version = u32::from_le_bytes(rest[..4].try_into().expect("length checked above"));
-    if version != CONTROL_FILE_FORMAT_VERSION {
+    if !(1..=CONTROL_FILE_FORMAT_VERSION).contains(&version) {
         return Err(corrupt(format!(
-            "unsupported format version {version} (this build reads {CONTROL_FILE_FORMAT_VERSION})"
+            "unsupported format version {version} (this build reads 1 to {CONTROL_FILE_FORMAT_VERSION})"
         )));
     }
     let (data, crc) = bytes.split_at(bytes.len() - CRC_LEN);
@@ -199,10 +200,10 @@ pub fn decode(bytes: &[u8], file: &Path) -> Result<TimelinePersistentState> {
             "control file checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"
         )));
     }
-    decode_body(&data[HEADER_LEN..]).map_err(corrupt)
+    decode_body(&data[HEADER_LEN..], version).map_err(corrupt)
 }
 
-fn decode_body(body: &[u8]) -> std::result::Result<TimelinePersistentState, String> {
+fn decode_body(body: &[u8], version: u32) -> std::result::Result<TimelinePersistentState, String> {
     let mut r = Reader { b: body };
     let tenant_id = TenantId(r.array()?);
     let timeline_id = TimelineId(r.array()?);
@@ -222,6 +223,11 @@ fn decode_body(body: &[u8]) -> std::result::Result<TimelinePersistentState, Stri
             lsn: Lsn(r.u64()?),
         });
     }
+    let elected_generation = if version >= 2 {
+        Generation(r.u32()?)
+    } else {
+        Generation::INVALID
+    };
     let server = ServerInfo {
         pg_version: r.u32()?,
         system_id: r.u64()?,
@@ -245,6 +251,7 @@ fn decode_body(body: &[u8]) -> std::result::Result<TimelinePersistentState, Stri
         acceptor_state: AcceptorState {
             term,
             term_history: TermHistory(hist),
+            elected_generation,
         },
         server,
         timeline_start_lsn,
@@ -425,6 +432,7 @@ mod tests {
                     lsn: Lsn(0x200_0000),
                 },
             ]),
+            elected_generation: Generation(3),
         };
         s.timeline_start_lsn = Lsn(0x149_F0D8);
         s.local_start_lsn = Lsn(0x149_F0D8);
@@ -502,6 +510,31 @@ mod tests {
             FileControlStore::load(dir.path(), true),
             Err(Error::Corruption { .. })
         ));
+    }
+
+    /// A version-1 file (before `elected_generation`) still loads; it is written back as the
+    /// current version.
+    #[test]
+    fn a_version_one_file_still_loads() {
+        let mut s = sample();
+        // Where the field sits: find a marker value in the image.
+        s.acceptor_state.elected_generation = Generation(0xa5a5_a5a5);
+        let marked = encode(&s);
+        let hist_end = marked
+            .windows(4)
+            .position(|w| w == 0xa5a5_a5a5u32.to_le_bytes())
+            .unwrap();
+        s.acceptor_state.elected_generation = Generation::INVALID;
+        let v2 = encode(&s);
+        let mut v1 = v2[..hist_end].to_vec();
+        v1.extend_from_slice(&v2[hist_end + 4..v2.len() - CRC_LEN]);
+        v1[4..8].copy_from_slice(&1u32.to_le_bytes());
+        let crc = crc32c::crc32c(&v1);
+        v1.extend_from_slice(&crc.to_le_bytes());
+        assert_eq!(decode(&v1, Path::new("x")).unwrap(), s);
+        let mut later = s.clone();
+        later.acceptor_state.elected_generation = Generation(4);
+        assert_eq!(decode(&encode(&later), Path::new("x")).unwrap(), later);
     }
 
     #[test]

@@ -96,6 +96,8 @@ pub struct TimelineStatus {
     pub wal_seg_size: u32,
     /// Membership configuration generation.
     pub generation: u32,
+    /// The generation the newest term of `term_history` was elected in.
+    pub elected_generation: u32,
     /// Connected proposers.
     pub proposers: usize,
     /// Connected readers.
@@ -292,6 +294,7 @@ impl Timeline {
             pg_version: s.server.pg_version,
             wal_seg_size: s.server.wal_seg_size,
             generation: s.mconf.generation.0,
+            elected_generation: s.acceptor_state.elected_generation.0,
             proposers: self.proposers.load(Ordering::Relaxed),
             readers: self.readers.load(Ordering::Relaxed),
         }

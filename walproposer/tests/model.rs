@@ -576,9 +576,8 @@ impl Mode {
 enum OpPhase {
     /// `members` is the configuration.
     Idle,
-    /// The joint configuration (`members`, `new`) is being applied; `t_b` is the highest term
-    /// among a majority of `members` once that majority switched to it.
-    Joint { t_b: Option<Term> },
+    /// The joint configuration (`members`, `new`) is being applied.
+    Joint,
     /// The switch condition held: `new` alone is being applied.
     Switch,
 }
@@ -1468,7 +1467,7 @@ impl<B: Backend> Cluster<B> {
             Mode::Legacy => vec![(0..N_ACC).collect()],
             Mode::Fixed => vec![vec![0, 1, 2]],
             Mode::Replacing => match self.operator.phase {
-                OpPhase::Idle | OpPhase::Joint { .. } => vec![self.operator.members.clone()],
+                OpPhase::Idle | OpPhase::Joint => vec![self.operator.members.clone()],
                 OpPhase::Switch => vec![self.operator.new.clone()],
             },
         }
@@ -1504,45 +1503,31 @@ impl<B: Backend> Cluster<B> {
                 op.generation += 1;
                 op.new = new;
                 op.applied.clear();
-                op.phase = OpPhase::Joint { t_b: None };
+                op.phase = OpPhase::Joint;
                 self.stats.membership_switches += 1;
             }
-            OpPhase::Joint { t_b } => {
-                let cfg = configuration(op.generation, &op.members, Some(&op.new));
+            OpPhase::Joint => {
+                let joint = op.generation;
+                let cfg = configuration(joint, &op.members, Some(&op.new));
                 self.apply_one(&cfg);
-                let op = &self.operator;
-                let t_b = match t_b {
-                    Some(t) => t,
-                    None if majority(&op.members, |a| op.applied.contains(&a)) => {
-                        // The old generation can no longer elect or commit: any later term is
-                        // elected in the joint configuration.
-                        let t = op
-                            .applied
-                            .iter()
-                            .filter(|a| op.members.contains(a))
-                            .map(|&a| self.sk(a).term())
-                            .max()
-                            .unwrap_or(Term(0));
-                        self.operator.phase = OpPhase::Joint { t_b: Some(t) };
-                        t
-                    }
-                    None => return,
-                };
                 // The switch condition: a majority of the new set holds WAL up to the start of
-                // a term elected after the joint configuration took over.
+                // a term elected in the joint configuration (such a term's election saw a
+                // majority of the old set, so its start holds everything committed before).
                 let op = &self.operator;
                 let caught_up = |a: usize| {
                     let sk = self.sk(a);
-                    let flush = sk.flush_lsn();
-                    sk.get_term_history()
-                        .0
-                        .iter()
-                        .any(|e| e.term > t_b && e.lsn <= flush)
+                    let s = sk.state();
+                    s.acceptor_state.elected_generation >= Generation(joint)
+                        && s.acceptor_state
+                            .term_history
+                            .0
+                            .last()
+                            .is_some_and(|e| e.lsn <= sk.flush_lsn())
                 };
                 if majority(&op.new, caught_up) {
                     self.log(|| {
                         format!(
-                            "operator: switch condition holds (T_b {t_b}); switching to {:?}",
+                            "operator: switch condition holds; switching to {:?}",
                             op.new
                         )
                     });

@@ -555,6 +555,7 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
         s.commit_lsn = s.commit_lsn.max(s.timeline_start_lsn);
         s.remote_consistent_lsn = s.remote_consistent_lsn.max(s.timeline_start_lsn);
         s.acceptor_state.term_history = msg.term_history.clone();
+        s.acceptor_state.elected_generation = msg.generation;
         self.control.persist(&s)?;
         self.inmem.commit_lsn = s.commit_lsn;
         self.inmem.peer_horizon_lsn = s.peer_horizon_lsn;

@@ -46,6 +46,11 @@ pub struct AcceptorState {
     /// Which term wrote which part of the WAL this acceptor holds (may extend past its flush
     /// LSN; readers use `TermHistory::up_to(flush_lsn)`).
     pub term_history: TermHistory,
+    /// The membership generation of the `ProposerElected` that started the newest term of the
+    /// history: the generation that term was elected in (a proposer re-elects itself when it
+    /// adopts a newer generation). An operator switching from a joint configuration to the new
+    /// one waits until a majority of the new set holds WAL of a term elected in the joint one.
+    pub elected_generation: Generation,
 }
 
 /// What the proposer's PostgreSQL server looks like.

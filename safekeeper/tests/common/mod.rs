@@ -34,7 +34,13 @@ pub struct TestDaemon {
 
 impl TestDaemon {
     pub async fn start(datadir: &Path) -> TestDaemon {
-        let conf = Conf::for_tests(datadir.to_path_buf());
+        TestDaemon::start_as(datadir, 1).await
+    }
+
+    /// A daemon with node id `id` (a safekeeper set needs distinct ones).
+    pub async fn start_as(datadir: &Path, id: u64) -> TestDaemon {
+        let mut conf = Conf::for_tests(datadir.to_path_buf());
+        conf.id = id;
         let listeners = daemon::bind(&conf).await.expect("bind");
         let (pg, http) = (listeners.pg_addr(), listeners.http_addr());
         let (tx, rx) = oneshot::channel();
