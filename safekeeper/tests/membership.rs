@@ -9,6 +9,7 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{SEG_SIZE, SYSID, TestDaemon, greeting, ttid};
@@ -159,7 +160,33 @@ async fn the_proposer_follows_a_membership_change_and_keeps_committing() {
         );
         proposer.progress().commit_lsn
     };
-    let (end, switched_at) = tokio::join!(wal, operator);
+    // The longest time the commit LSN stood still while WAL waited: the stall of a switch.
+    let done = AtomicBool::new(false);
+    let stall = async {
+        let mut rx = proposer.subscribe();
+        let (mut longest, mut since, mut last) = (Duration::ZERO, Instant::now(), Lsn::INVALID);
+        while !done.load(Ordering::Relaxed) {
+            let p = *rx.borrow_and_update();
+            if p.commit_lsn != last || p.end_lsn <= p.commit_lsn {
+                last = p.commit_lsn;
+                since = Instant::now();
+            }
+            longest = longest.max(since.elapsed());
+            let _ = tokio::time::timeout(Duration::from_millis(5), rx.changed()).await;
+        }
+        longest
+    };
+    let run = async {
+        let both = tokio::join!(wal, operator);
+        done.store(true, Ordering::Relaxed);
+        both
+    };
+    let ((end, switched_at), longest) = tokio::join!(run, stall);
+    eprintln!("longest commit stall while WAL waited (two membership switches): {longest:?}");
+    assert!(
+        longest < Duration::from_secs(5),
+        "commits stalled for {longest:?}"
+    );
     assert!(end > switched_at, "commits went on after the last switch");
     let committed = proposer.wait_commit(end).await.expect("all committed");
     assert!(
