@@ -1951,3 +1951,75 @@ fn start_point_is_not_an_acknowledgement_issue_12_trace() {
             .is_none_or(|&l| l <= Mem::START)
     );
 }
+
+/// The connection-reuse hazard the model found (seed 2159), step by step: a proposer that
+/// re-elects itself after a membership change must not keep a connection that carried appends
+/// of its earlier term. The acceptor at the other end may answer its idle flush of those appends
+/// after it voted in the new term and before it processes `elected` (whose start point then
+/// truncates them): an `AppendResponse` of the new term describing WAL it is about to drop.
+#[test]
+fn re_election_makes_every_connection_anew_trace() {
+    let (a, b, c) = (0, 1, 2);
+    let mut cl = Cluster::<Mem>::new(0, std::env::var("MODEL_TRACE").is_ok(), Mode::Fixed);
+    cl.scripted = true;
+    let term_of = |cl: &Cluster<Mem>| cl.proposers[0].core.as_ref().map(|c| c.term());
+
+    // Term 1 in generation 1, elected by A, B and C; W1 committed everywhere.
+    cl.start_campaign(0);
+    for x in [3, 4] {
+        cl.drop_conn(0, x, "not a member");
+    }
+    for _ in 0..2 {
+        for x in [a, b, c] {
+            cl.exchange(0, x);
+        }
+    }
+    assert_eq!(term_of(&cl), Some(Term(1)));
+    cl.append_record(0);
+    for x in [a, b, c] {
+        cl.exchange(0, x);
+        cl.idle_flush(0, x);
+        cl.exchange(0, x);
+    }
+    let w1_end = cl.proposers[0].commit;
+    assert!(w1_end > Mem::START, "W1 is committed");
+
+    // W2 reaches A only, not yet flushed: A's connection is dirty.
+    cl.append_record(0);
+    cl.exchange(0, a);
+
+    // The operator moves every member to generation 2; the proposer learns it on a new
+    // connection to B.
+    let g2 = configuration(2, &[a, b, c], None);
+    for x in [a, b, c] {
+        cl.sk_mut(x).set_membership(g2.clone()).unwrap();
+    }
+    cl.drop_conn(0, b, "refused: generation 2");
+    cl.connect(0, b);
+    cl.exchange(0, b);
+    assert!(
+        !cl.conns[0][a].up && !cl.conns[0][c].up,
+        "every connection but the new one is made anew"
+    );
+
+    // Re-elected by B and C (donor at the end of W1), then A joins on a fresh connection: its
+    // vote flushes W2, `elected` truncates it to the term start, and W2 comes again in term 2.
+    cl.connect(0, c);
+    cl.exchange(0, c);
+    cl.exchange(0, b);
+    cl.exchange(0, c);
+    assert_eq!(term_of(&cl), Some(Term(2)));
+    assert_eq!(
+        cl.proposers[0].core.as_ref().map(|c| c.term_start()),
+        Some(w1_end)
+    );
+    cl.connect(0, a);
+    cl.exchange(0, a);
+    cl.idle_flush(0, a);
+    cl.exchange(0, a);
+    cl.exchange(0, b);
+    cl.idle_flush(0, b);
+    cl.exchange(0, b);
+    cl.check();
+    assert!(cl.proposers[0].commit > w1_end, "W2 is committed in term 2");
+}
