@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.daemon import Safekeeper, build_release
+from fixtures.daemon import ExampleService, Safekeeper, build_release
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,3 +30,26 @@ def safekeeper_factory(tmp_path):
 @pytest.fixture
 def safekeeper(safekeeper_factory) -> Safekeeper:
     return safekeeper_factory().start()
+
+
+@pytest.fixture
+def example_factory(tmp_path):
+    started: list[ExampleService] = []
+
+    def make(**kwargs) -> ExampleService:
+        svc = ExampleService(workdir=tmp_path / f"example{len(started)}", **kwargs)
+        started.append(svc)
+        return svc
+
+    yield make
+    for svc in started:
+        svc.kill()
+
+
+@pytest.fixture(params=["safekeeper", "example"])
+def profiled(request, safekeeper_factory, example_factory):
+    """A running server with the profiling routes: the safekeeper, or the profiling crate's
+    example service (the profiling tests run against both)."""
+    if request.param == "safekeeper":
+        return safekeeper_factory().start()
+    return example_factory().start()

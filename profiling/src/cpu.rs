@@ -2,7 +2,8 @@
 //!
 //! One profile runs at a time (pprof-rs's profiler is process-wide). The running profile holds a
 //! slot for its whole life, including report building; a request with `force=true` cancels the
-//! holder and waits for the slot. The profiler guard lives inside the request future, so a client
+//! holder, which still answers with what it sampled (marked as cut short), and waits for the
+//! slot. The profiler guard lives inside the request future, so a client
 //! that disconnects drops the future and the guard with it: sampling stops at once.
 
 use std::collections::HashMap;
@@ -22,8 +23,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{ProfileError, parse_bounded, parse_choice, parse_flag, reject_unknown};
 use crate::metrics::{Outcome, record};
+use crate::svg;
 
 const DEFAULT_SECONDS: u64 = 5;
+/// Go's `net/http/pprof` default for `/debug/pprof/profile`.
+const GO_DEFAULT_SECONDS: u64 = 30;
 const DEFAULT_FREQUENCY: u64 = 99;
 const MAX_REQUESTABLE_FREQUENCY: u64 = 1000;
 /// How long a forced request waits for the cancelled profile to release the profiler.
@@ -105,18 +109,44 @@ fn spin(d: Duration) {
 }
 
 pub(crate) async fn handler(Query(params): Query<HashMap<String, String>>) -> Response {
-    let result = profile(params).await;
-    record("cpu", Outcome::of(&result));
+    respond(profile(params, DEFAULT_SECONDS).await)
+}
+
+/// `GET /debug/pprof/profile`: Go's `net/http/pprof` path (what `go tool pprof URL`, Grafana
+/// Alloy's `pyroscope.scrape` and Parca fetch by default). Same profile and parameters as
+/// `/profile/cpu`; like Go, `seconds` defaults to 30.
+pub(crate) async fn go_handler(Query(params): Query<HashMap<String, String>>) -> Response {
+    respond(profile(params, GO_DEFAULT_SECONDS).await)
+}
+
+fn respond(result: Result<(Response, bool), ProfileError>) -> Response {
     match result {
-        Ok(resp) => resp,
-        Err(e) => e.into_response(),
+        Ok((resp, cut_short)) => {
+            record(
+                "cpu",
+                if cut_short {
+                    Outcome::CutShort
+                } else {
+                    Outcome::Ok
+                },
+            );
+            resp
+        }
+        Err(e) => {
+            record("cpu", Outcome::of_error(&e));
+            e.into_response()
+        }
     }
 }
 
-async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileError> {
+/// Takes one CPU profile. The `bool` says whether a forced request cut it short.
+async fn profile(
+    params: HashMap<String, String>,
+    default_seconds: u64,
+) -> Result<(Response, bool), ProfileError> {
     reject_unknown(&params, &["format", "seconds", "frequency", "force"])?;
     let format = parse_choice("format", params.get("format"), &["pprof", "svg"])?;
-    let seconds = parse_bounded("seconds", params.get("seconds"), DEFAULT_SECONDS, 1..=60)?;
+    let seconds = parse_bounded("seconds", params.get("seconds"), default_seconds, 1..=60)?;
     let requested = parse_bounded(
         "frequency",
         params.get("frequency"),
@@ -140,34 +170,54 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
         })?;
     tracing::info!(seconds, frequency, format, "CPU profile started");
 
-    tokio::select! {
-        _ = tokio::time::sleep(Duration::from_secs(seconds)) => {}
-        _ = cancel.cancelled() => {
-            return Err(ProfileError::Conflict(
-                "this CPU profile was cancelled by a newer request with force=true".into(),
-            ));
-        }
-    }
+    // A newer request with force=true ends this profile early: it is still answered, with what
+    // was sampled so far (continuous profilers hold a profile at all times; their samples must
+    // not be lost to an ad hoc request), and the headers say so.
+    let cut_short = tokio::select! {
+        _ = tokio::time::sleep(Duration::from_secs(seconds)) => false,
+        _ = cancel.cancelled() => true,
+    };
 
     // Symbolization, encoding and rendering are CPU-heavy: keep them off the executor threads.
-    let body = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<u8>> {
+    let (body, duration) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let _held = held;
         // The report must be built before the guard is dropped: dropping resets the samples.
         let report = guard.report().build().context("building the CPU report")?;
         drop(guard);
-        match format {
+        let duration = report.timing.duration;
+        let samples: isize = report.data.values().sum();
+        let body = match format {
+            "svg" if samples == 0 => svg::message(
+                "CPU profile",
+                &format!(
+                    "no samples in {:.1} s at {frequency} Hz (the process was idle)",
+                    duration.as_secs_f64()
+                ),
+            ),
             "svg" => {
+                let mut opts = pprof::flamegraph::Options::default();
+                opts.title = format!(
+                    "CPU: {samples} samples in {:.1} s at {frequency} Hz{}",
+                    duration.as_secs_f64(),
+                    if cut_short {
+                        " (cut short by a request with force=true)"
+                    } else {
+                        ""
+                    }
+                );
                 let mut svg = Vec::new();
                 report
-                    .flamegraph(&mut svg)
+                    .flamegraph_with_options(&mut svg, &mut opts)
                     .context("rendering the flamegraph")?;
-                Ok(svg)
+                svg
             }
             _ => {
+                // A profile with no samples is still a valid profile (types, period, duration).
                 let proto = report.pprof().context("encoding the pprof profile")?;
-                gzip(&proto.encode_to_vec())
+                gzip(&proto.encode_to_vec())?
             }
-        }
+        };
+        Ok((body, duration))
     })
     .await
     .context("CPU report task")??;
@@ -192,10 +242,29 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
     } else {
         frequency.to_string()
     };
+    let headers = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&note) {
-        resp.headers_mut().insert("x-profile-frequency", v);
+        headers.insert("x-profile-frequency", v);
     }
-    Ok(resp)
+    if let Ok(v) = HeaderValue::from_str(&format!("{:.3}", duration.as_secs_f64())) {
+        headers.insert("x-profile-duration-seconds", v);
+    }
+    if cut_short {
+        let why = format!(
+            "true; ran {:.3} s of the {seconds} s requested; a newer request with force=true \
+             took over",
+            duration.as_secs_f64()
+        );
+        if let Ok(v) = HeaderValue::from_str(&why) {
+            headers.insert("x-profile-cut-short", v);
+        }
+        tracing::info!(
+            seconds = duration.as_secs_f64(),
+            requested = seconds,
+            "CPU profile cut short by a forced request"
+        );
+    }
+    Ok((resp, cut_short))
 }
 
 /// Takes the profiler slot; with `force`, cancels the holder and waits for it.

@@ -43,7 +43,9 @@ impl IntoResponse for ProfileError {
             }
             other => format!("{other}\n"),
         };
-        (status, body).into_response()
+        // As Go's net/http/pprof marks its errors: `go tool pprof` then prints the body (our
+        // reason) instead of a bare status line.
+        (status, [("x-go-pprof", "1")], body).into_response()
     }
 }
 

@@ -6,32 +6,85 @@
 //! pool; `jemalloc_pprof`'s mutex serializes concurrent dumps.
 
 use std::collections::HashMap;
-use std::io::Read;
+use std::io::{BufReader, Read};
 use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::Query;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use jemalloc_pprof::{StackProfile, WeightedStack};
 use pprof::protos::Message;
 
 use crate::cpu::gzip;
 use crate::error::{ProfileError, parse_bounded, parse_choice, reject_unknown};
+use crate::jeheap::{self, ALLOC_SPACE, HeapProfile, INUSE_SPACE};
 use crate::metrics::{Outcome, record};
-use crate::symbolize;
+use crate::{svg, symbolize};
+
+/// Which view of the heap a route serves by default.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// What is live now (`inuse_space`): `/profile/heap`, `/debug/pprof/heap`.
+    Inuse,
+    /// Everything allocated since start-up, freed or not (`alloc_space`): `/debug/pprof/allocs`.
+    Allocs,
+}
+
+impl Kind {
+    fn default_type(self) -> &'static str {
+        match self {
+            Kind::Inuse => "inuse_space",
+            Kind::Allocs => "alloc_space",
+        }
+    }
+
+    fn value(self) -> usize {
+        match self {
+            Kind::Inuse => INUSE_SPACE,
+            Kind::Allocs => ALLOC_SPACE,
+        }
+    }
+}
 
 pub(crate) async fn handler(Query(params): Query<HashMap<String, String>>) -> Response {
-    let result = profile(params).await;
-    record("heap", Outcome::of(&result));
+    respond(
+        "heap",
+        profile(params, Kind::Inuse, &["format", "seconds"]).await,
+    )
+}
+
+/// `GET /debug/pprof/heap`, Go's path: the same profile; `gc` is accepted and ignored (Go's
+/// `gc=1` runs a collection first; jemalloc has none to run).
+pub(crate) async fn go_heap_handler(Query(params): Query<HashMap<String, String>>) -> Response {
+    respond(
+        "heap",
+        profile(params, Kind::Inuse, &["format", "seconds", "gc"]).await,
+    )
+}
+
+/// `GET /debug/pprof/allocs`, Go's path: the heap profile with `alloc_space` as its default
+/// type (every sampled allocation since start-up, freed or not).
+pub(crate) async fn go_allocs_handler(Query(params): Query<HashMap<String, String>>) -> Response {
+    respond(
+        "allocs",
+        profile(params, Kind::Allocs, &["format", "seconds", "gc"]).await,
+    )
+}
+
+fn respond(kind: &str, result: Result<Response, ProfileError>) -> Response {
+    record(kind, Outcome::of(&result));
     match result {
         Ok(resp) => resp,
         Err(e) => e.into_response(),
     }
 }
 
-async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileError> {
-    reject_unknown(&params, &["format", "seconds"])?;
+async fn profile(
+    params: HashMap<String, String>,
+    kind: Kind,
+    known: &[&str],
+) -> Result<Response, ProfileError> {
+    reject_unknown(&params, known)?;
     let format = parse_choice(
         "format",
         params.get("format"),
@@ -55,44 +108,71 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
                 .into(),
         )
     })?;
+    if kind == Kind::Allocs && !jeheap::accum_enabled() {
+        return Err(ProfileError::Unavailable(
+            "cumulative allocation counts are off: this process's jemalloc runs without \
+             prof_accum:true (profiling::MALLOC_CONF sets it; MALLOC_CONF may override it); \
+             /debug/pprof/heap has what is live"
+                .into(),
+        ));
+    }
+    let dump = || {
+        let ctl = ctl.clone();
+        blocking(move || {
+            let mut ctl = ctl.blocking_lock();
+            check_active(&ctl)?;
+            let f = ctl.dump().context("jemalloc heap dump")?;
+            drop(ctl);
+            let mappings = mappings::MAPPINGS.as_deref().unwrap_or(&[]);
+            Ok(jeheap::parse(
+                BufReader::new(f),
+                jeheap::accum_enabled(),
+                mappings,
+            )?)
+        })
+    };
 
-    let (body, title) = match seconds {
-        None => {
+    let body = match seconds {
+        None if format == "jemalloc" => {
             let ctl = ctl.clone();
-            let body = blocking(move || {
+            blocking(move || {
                 let mut ctl = ctl.blocking_lock();
                 check_active(&ctl)?;
-                if format == "jemalloc" {
-                    let mut f = ctl.dump().context("jemalloc heap dump")?;
-                    let mut raw = Vec::new();
-                    f.read_to_end(&mut raw).context("reading the heap dump")?;
-                    return Ok(raw);
-                }
-                let profile = ctl.dump_profile().context("heap dump")?;
-                drop(ctl);
-                render(&profile, format, "inuse_space")
+                let mut f = ctl.dump().context("jemalloc heap dump")?;
+                let mut raw = Vec::new();
+                f.read_to_end(&mut raw).context("reading the heap dump")?;
+                Ok(raw)
             })
-            .await?;
-            (body, None)
+            .await?
+        }
+        None => {
+            let profile = dump().await?;
+            let title = match kind {
+                Kind::Inuse => "inuse_space: live heap by allocation site".to_string(),
+                Kind::Allocs => "alloc_space: allocated since start-up, by site".to_string(),
+            };
+            blocking(move || render(&profile, format, kind, &title, "no sampled allocations"))
+                .await?
         }
         Some(secs) => {
-            let dump = || {
-                let ctl = ctl.clone();
-                blocking(move || {
-                    let mut ctl = ctl.blocking_lock();
-                    check_active(&ctl)?;
-                    Ok(ctl.dump_profile().context("heap dump")?)
-                })
-            };
             let before = dump().await?;
             tokio::time::sleep(Duration::from_secs(secs)).await;
             let after = dump().await?;
-            let body = blocking(move || {
-                let delta = growth(&before, after);
-                render(&delta, format, &format!("inuse_space growth over {secs} s"))
+            blocking(move || {
+                let delta = jeheap::growth(&before, after);
+                let (title, empty) = match kind {
+                    Kind::Inuse => (
+                        format!("inuse_space growth over {secs} s"),
+                        format!("no live allocations grew in {secs} s"),
+                    ),
+                    Kind::Allocs => (
+                        format!("alloc_space: allocated in {secs} s"),
+                        format!("no sampled allocations in {secs} s"),
+                    ),
+                };
+                render(&delta, format, kind, &title, &empty)
             })
-            .await?;
-            (body, Some(secs))
+            .await?
         }
     };
 
@@ -115,7 +195,7 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
         body,
     )
         .into_response();
-    if let Some(secs) = title {
+    if let Some(secs) = seconds {
         resp.headers_mut().insert(
             "x-profile-delta-seconds",
             secs.to_string().parse().expect("digits are a valid header"),
@@ -124,11 +204,21 @@ async fn profile(params: HashMap<String, String>) -> Result<Response, ProfileErr
     Ok(resp)
 }
 
-/// Symbolizes a stack profile and renders it as gzipped pprof or an SVG flamegraph.
-fn render(profile: &StackProfile, format: &str, title: &str) -> Result<Vec<u8>, ProfileError> {
+/// Symbolizes a heap profile and renders it as gzipped pprof or an SVG flamegraph (of the
+/// route's sample type). Nothing to draw gives an SVG that says so (`empty`).
+fn render(
+    profile: &HeapProfile,
+    format: &str,
+    kind: Kind,
+    title: &str,
+    empty: &str,
+) -> Result<Vec<u8>, ProfileError> {
     match format {
         "svg" => {
-            let lines = symbolize::to_folded(profile);
+            let lines = symbolize::to_folded(profile, kind.value());
+            if lines.is_empty() {
+                return Ok(svg::message(title, empty));
+            }
             let mut opts = pprof::flamegraph::Options::default();
             opts.title = title.to_string();
             opts.count_name = "bytes".to_string();
@@ -138,7 +228,7 @@ fn render(profile: &StackProfile, format: &str, title: &str) -> Result<Vec<u8>, 
             Ok(svg)
         }
         _ => {
-            let proto = symbolize::to_pprof(profile, ("inuse_space", "bytes"));
+            let proto = symbolize::to_pprof(profile, kind.default_type());
             Ok(gzip(&proto.encode_to_vec())?)
         }
     }
@@ -160,62 +250,4 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f)
         .await
         .context("heap profile task")?
-}
-
-/// What is live in `after` and was not in `before`, per allocation stack: the memory allocated
-/// during the interval that is still held at its end. Stacks that shrank are left out.
-fn growth(before: &StackProfile, after: StackProfile) -> StackProfile {
-    let mut base: HashMap<&[usize], f64> = HashMap::new();
-    for (stack, _) in before.iter() {
-        *base.entry(stack.addrs.as_slice()).or_default() += stack.weight;
-    }
-    let mut now: HashMap<Vec<usize>, f64> = HashMap::new();
-    for (stack, _) in after.stacks {
-        *now.entry(stack.addrs).or_default() += stack.weight;
-    }
-    let mut delta = StackProfile::default();
-    for mapping in after.mappings {
-        delta.push_mapping(mapping);
-    }
-    let mut grown: Vec<(Vec<usize>, f64)> = now
-        .into_iter()
-        .filter_map(|(addrs, weight)| {
-            let d = weight - base.get(addrs.as_slice()).copied().unwrap_or(0.0);
-            (d > 0.0).then_some((addrs, d))
-        })
-        .collect();
-    grown.sort_by(|a, b| a.0.cmp(&b.0));
-    for (addrs, weight) in grown {
-        delta.push_stack(WeightedStack { addrs, weight }, None);
-    }
-    delta
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn profile(stacks: &[(&[usize], f64)]) -> StackProfile {
-        let mut p = StackProfile::default();
-        for (addrs, weight) in stacks {
-            p.push_stack(
-                WeightedStack {
-                    addrs: addrs.to_vec(),
-                    weight: *weight,
-                },
-                None,
-            );
-        }
-        p
-    }
-
-    #[test]
-    fn growth_keeps_only_stacks_that_grew() {
-        let before = profile(&[(&[1, 2], 100.0), (&[3], 50.0), (&[4], 10.0)]);
-        let after = profile(&[(&[1, 2], 300.0), (&[3], 20.0), (&[5, 6], 7.0), (&[4], 10.0)]);
-        let d = growth(&before, after);
-        let got: Vec<(Vec<usize>, f64)> =
-            d.iter().map(|(s, _)| (s.addrs.clone(), s.weight)).collect();
-        assert_eq!(got, vec![(vec![1, 2], 200.0), (vec![5, 6], 7.0)]);
-    }
 }

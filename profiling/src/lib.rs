@@ -11,6 +11,18 @@
 //!   (`format=pprof`, the default), the raw dump `jeprof` reads (`format=jemalloc`), or an SVG
 //!   flamegraph (`format=svg`). With `seconds=N` (1–300) it returns a *delta*: what was allocated
 //!   during those N seconds and is still live at the end, so a leak shows as growth.
+//! - Go's `net/http/pprof` paths, so `go tool pprof http://host:port`, Grafana Alloy's
+//!   `pyroscope.scrape` and Parca work with their defaults: `GET /debug/pprof/profile` (the CPU
+//!   profile; `seconds` defaults to 30 as in Go), `GET /debug/pprof/heap` (the heap profile) and
+//!   `GET /debug/pprof/allocs` (the same with `alloc_space` as its default type). Heap profiles
+//!   carry Go's sample types `alloc_objects/count`, `alloc_space/bytes`, `inuse_objects/count`,
+//!   `inuse_space/bytes` and period type `space/bytes`; the `alloc_` ones (cumulative since
+//!   start-up) only when jemalloc counts them (`prof_accum:true`, in [`MALLOC_CONF`]).
+//!
+//! No answer is empty: a CPU profile that caught no samples is a valid pprof with zero samples,
+//! or an SVG that says "no samples in N s at F Hz". A profile that a `force=true` request cut
+//! short is still answered (200) with what it sampled, and the `X-Profile-Cut-Short` and
+//! `X-Profile-Duration-Seconds` headers say so.
 //!
 //! A binary opts into jemalloc with heap profiling by calling [`global_allocator!`] once at its
 //! crate root. Without it the heap route answers `503` with an explanation.
@@ -32,7 +44,9 @@
 mod cpu;
 mod error;
 mod heap;
+mod jeheap;
 mod metrics;
+mod svg;
 mod symbolize;
 
 use axum::Router;
@@ -44,9 +58,12 @@ pub use metrics::register_metrics;
 
 /// The malloc_conf every profiled binary uses: heap profiling on from the start, one sample per
 /// 2 MiB allocated on average (`lg_prof_sample:21`: ~3% overhead measured by neon, against ~7%
-/// at jemalloc's default 512 KiB), and a background thread that returns idle dirty pages so RSS
-/// comes back down after bursts (e.g. a CPU profile's sample table).
-pub const MALLOC_CONF: &str = "prof:true,prof_active:true,lg_prof_sample:21,background_thread:true";
+/// at jemalloc's default 512 KiB), cumulative allocation counts per stack (`prof_accum:true`:
+/// what `/debug/pprof/allocs` reports; it keeps every distinct sampled stack for the life of the
+/// process), and a background thread that returns idle dirty pages so RSS comes back down after
+/// bursts (e.g. a CPU profile's sample table).
+pub const MALLOC_CONF: &str =
+    "prof:true,prof_active:true,prof_accum:true,lg_prof_sample:21,background_thread:true";
 
 /// Makes the calling binary run on jemalloc with heap profiling on.
 ///
@@ -82,15 +99,19 @@ pub mod __private {
 
     /// [`crate::MALLOC_CONF`] as a C string.
     pub const MALLOC_CONF_NUL: &[u8] =
-        b"prof:true,prof_active:true,lg_prof_sample:21,background_thread:true\0";
+        b"prof:true,prof_active:true,prof_accum:true,lg_prof_sample:21,background_thread:true\0";
 }
 
 /// The profiling routes, ready to merge into a service's router:
-/// `app.merge(profiling::router())`.
+/// `app.merge(profiling::router())`. Every route is in this one router, so a layer the service
+/// puts on it (authentication) covers them all.
 pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
     Router::new()
         .route("/profile/cpu", get(cpu::handler))
         .route("/profile/heap", get(heap::handler))
+        .route("/debug/pprof/profile", get(cpu::go_handler))
+        .route("/debug/pprof/heap", get(heap::go_heap_handler))
+        .route("/debug/pprof/allocs", get(heap::go_allocs_handler))
 }
 
 #[cfg(test)]

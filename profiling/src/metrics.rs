@@ -23,6 +23,8 @@ static REQUESTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
 #[derive(Clone, Copy)]
 pub(crate) enum Outcome {
     Ok,
+    /// Served, but a newer request with `force=true` ended it early.
+    CutShort,
     BadRequest,
     Conflict,
     Unavailable,
@@ -33,16 +35,23 @@ impl Outcome {
     pub(crate) fn of<T>(r: &Result<T, ProfileError>) -> Outcome {
         match r {
             Ok(_) => Outcome::Ok,
-            Err(ProfileError::BadRequest(_)) => Outcome::BadRequest,
-            Err(ProfileError::Conflict(_)) => Outcome::Conflict,
-            Err(ProfileError::Unavailable(_)) => Outcome::Unavailable,
-            Err(ProfileError::Internal(_)) => Outcome::Error,
+            Err(e) => Outcome::of_error(e),
+        }
+    }
+
+    pub(crate) fn of_error(e: &ProfileError) -> Outcome {
+        match e {
+            ProfileError::BadRequest(_) => Outcome::BadRequest,
+            ProfileError::Conflict(_) => Outcome::Conflict,
+            ProfileError::Unavailable(_) => Outcome::Unavailable,
+            ProfileError::Internal(_) => Outcome::Error,
         }
     }
 
     fn label(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
+            Outcome::CutShort => "cut_short",
             Outcome::BadRequest => "bad_request",
             Outcome::Conflict => "conflict",
             Outcome::Unavailable => "unavailable",

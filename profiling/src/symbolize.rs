@@ -10,8 +10,9 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 
-use jemalloc_pprof::StackProfile;
 use pprof::protos;
+
+use crate::jeheap::{HeapProfile, SAMPLE_TYPES};
 
 /// One resolved frame (one line of a location).
 #[derive(Clone)]
@@ -123,13 +124,15 @@ impl Resolver {
     }
 }
 
-/// Builds a symbolized pprof profile (protobuf, not compressed) from a jemalloc stack profile.
-pub(crate) fn to_pprof(profile: &StackProfile, sample_type: (&str, &str)) -> protos::Profile {
+/// Builds a symbolized pprof profile (protobuf, not compressed) from a heap profile, with the
+/// sample types it can honestly report and `default_type` (one of them) as the default.
+pub(crate) fn to_pprof(profile: &HeapProfile, default_type: &str) -> protos::Profile {
     let mut strings = StringTable::default();
     let mut resolver = Resolver::default();
     let mut locations: HashMap<usize, u64> = HashMap::new();
     let mut functions: HashMap<(String, String), u64> = HashMap::new();
     let mut p = protos::Profile::default();
+    let types = profile.type_indices();
 
     for (i, m) in profile.mappings.iter().enumerate() {
         p.mapping.push(protos::Mapping {
@@ -158,7 +161,7 @@ pub(crate) fn to_pprof(profile: &StackProfile, sample_type: (&str, &str)) -> pro
             .unwrap_or(0)
     };
 
-    for (stack, _) in profile.iter() {
+    for stack in &profile.stacks {
         let trimmed = resolver.trimmed_stack(&stack.addrs);
         let mut location_ids = Vec::with_capacity(trimmed.len());
         for (addr, frames) in trimmed {
@@ -199,35 +202,44 @@ pub(crate) fn to_pprof(profile: &StackProfile, sample_type: (&str, &str)) -> pro
         }
         p.sample.push(protos::Sample {
             location_id: location_ids,
-            value: vec![stack.weight.round() as i64],
+            value: types
+                .iter()
+                .map(|&i| stack.values[i].round() as i64)
+                .collect(),
             label: Vec::new(),
         });
     }
-    p.sample_type = vec![protos::ValueType {
-        ty: strings.id(sample_type.0),
-        unit: strings.id(sample_type.1),
-    }];
+    p.sample_type = types
+        .iter()
+        .map(|&i| protos::ValueType {
+            ty: strings.id(SAMPLE_TYPES[i].0),
+            unit: strings.id(SAMPLE_TYPES[i].1),
+        })
+        .collect();
+    p.default_sample_type = strings.id(default_type);
     p.period_type = Some(protos::ValueType {
         ty: strings.id("space"),
         unit: strings.id("bytes"),
     });
-    p.period = 1;
+    // As Go: the period is the sampling interval in bytes.
+    p.period = profile.sampling_rate as i64;
     p.string_table = strings.finish();
     p
 }
 
-/// Folded stacks (`root;...;leaf weight`) for a flamegraph, with the same names as [`to_pprof`].
-pub(crate) fn to_folded(profile: &StackProfile) -> Vec<String> {
+/// Folded stacks (`root;...;leaf weight`) of one sample type (an index into
+/// [`SAMPLE_TYPES`]) for a flamegraph, with the same names as [`to_pprof`].
+pub(crate) fn to_folded(profile: &HeapProfile, value: usize) -> Vec<String> {
     let mut resolver = Resolver::default();
     let mut folded: HashMap<String, f64> = HashMap::new();
-    for (stack, _) in profile.iter() {
+    for stack in &profile.stacks {
         let trimmed = resolver.trimmed_stack(&stack.addrs);
         let names: Vec<&str> = trimmed
             .iter()
             .rev()
             .flat_map(|(_, frames)| frames.iter().rev().map(|f| f.name.as_str()))
             .collect();
-        *folded.entry(names.join(";")).or_default() += stack.weight;
+        *folded.entry(names.join(";")).or_default() += stack.values[value];
     }
     let mut lines: Vec<String> = folded
         .into_iter()

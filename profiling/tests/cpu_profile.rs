@@ -110,7 +110,26 @@ fn burner_samples(p: &pprof::protos::Profile) -> Vec<(Vec<String>, i64)> {
         .collect()
 }
 
-fn check(p: &Profile, frequency: u64, seconds: u64) {
+/// CPU time the thread has used so far. `ITIMER_PROF` counts CPU time, not wall time, so the
+/// expected sample count follows this (on a loaded machine the burner gets less than a core).
+fn thread_cpu_time(thread: &std::thread::JoinHandle<u64>) -> f64 {
+    use std::os::unix::thread::JoinHandleExt;
+    let mut clock: libc::clockid_t = 0;
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: the thread has not been joined, so its pthread_t is valid; both calls only write
+    // into locals we own.
+    let ok = unsafe {
+        libc::pthread_getcpuclockid(thread.as_pthread_t(), &mut clock) == 0
+            && libc::clock_gettime(clock, &mut ts) == 0
+    };
+    assert!(ok, "reading the burner's CPU clock");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+fn check(p: &Profile, frequency: u64, cpu_seconds: f64) {
     let samples = burner_samples(&p.proto);
     let total: i64 = samples.iter().map(|(_, n)| n).sum();
     let on_leaf: i64 = samples
@@ -136,11 +155,11 @@ fn check(p: &Profile, frequency: u64, seconds: u64) {
         deep as f64 / total as f64 >= 0.9,
         "only {deep}/{total} samples have the full burn_level_1 > burn_level_2 stack"
     );
-    // One busy thread: expected samples = frequency x seconds.
-    let ratio = total as f64 / (frequency * seconds) as f64;
+    // One busy thread: expected samples = frequency x the CPU time it used.
+    let ratio = total as f64 / (frequency as f64 * cpu_seconds);
     assert!(
         (0.8..=1.2).contains(&ratio),
-        "{total} samples at {frequency} Hz over {seconds} s: ratio {ratio:.2}"
+        "{total} samples at {frequency} Hz over {cpu_seconds:.2} s of CPU: ratio {ratio:.2}"
     );
     assert_eq!(
         p.proto.period,
@@ -162,13 +181,17 @@ async fn cpu_profile_names_true_leaf_and_rate_matches_samples() {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
 
+    let cpu_before = thread_cpu_time(&burner);
     let p = take_profile("seconds=2&frequency=99").await;
+    let cpu = thread_cpu_time(&burner) - cpu_before;
     assert_eq!(p.frequency_header, "99");
-    check(&p, 99, 2);
+    check(&p, 99, cpu);
 
     // Above the kernel tick: clamped, and the response says so.
     let max = profiling::max_sampling_frequency();
+    let cpu_before = thread_cpu_time(&burner);
     let p = take_profile("seconds=2&frequency=1000").await;
+    let cpu = thread_cpu_time(&burner) - cpu_before;
     if max < 1000 {
         assert!(
             p.frequency_header
@@ -177,7 +200,7 @@ async fn cpu_profile_names_true_leaf_and_rate_matches_samples() {
             p.frequency_header
         );
     }
-    check(&p, max, 2);
+    check(&p, max, cpu);
 
     stop.store(true, Ordering::Relaxed);
     burner.join().unwrap();

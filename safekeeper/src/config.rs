@@ -36,6 +36,21 @@ pub struct Conf {
     /// Skip every fsync. Only for tests and benchmarks: a crash can lose acknowledged WAL.
     #[arg(long, env = "SAFEKEEPER_NO_SYNC")]
     pub no_sync: bool,
+
+    /// Log format on stderr: `text` (colours only when stderr is a terminal) or `json` (one
+    /// object per line; a timeline's lines carry its ids under `span`).
+    #[arg(long, env = "SAFEKEEPER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// How log lines are written (`--log-format`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines; ANSI colours only when stderr is a terminal.
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the event's
+    /// fields at the top level, the current span's fields under `span`.
+    Json,
 }
 
 impl Conf {
@@ -54,6 +69,7 @@ impl Conf {
             listen_http: "127.0.0.1:0".parse().expect("valid address"),
             no_sync: false,
             pg_auth_token_file: None,
+            log_format: LogFormat::Text,
         }
     }
 }

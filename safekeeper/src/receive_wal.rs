@@ -17,10 +17,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::metrics;
 use crate::registry::GlobalTimelines;
@@ -28,7 +29,7 @@ use crate::timeline::Timeline;
 use pq_proto::PqError;
 use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
 use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
-use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
+use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, ProposerGreeting};
 use sk_core::types::TenantTimelineId;
 
 /// Messages queued between the reader and the acceptor.
@@ -59,7 +60,10 @@ pub fn spawn_acceptor(
     reply_tx: mpsc::Sender<Outgoing>,
 ) -> (mpsc::Sender<QueuedMsg>, tokio::task::JoinHandle<()>) {
     let (msg_tx, msg_rx) = mpsc::channel(MSG_QUEUE_SIZE);
-    let task = tokio::task::spawn_blocking(move || run_acceptor(&tl, msg_rx, reply_tx));
+    // The acceptor logs in the caller's span (the timeline's).
+    let span = tracing::Span::current();
+    let task =
+        tokio::task::spawn_blocking(move || span.in_scope(|| run_acceptor(&tl, msg_rx, reply_tx)));
     (msg_tx, task)
 }
 
@@ -120,6 +124,34 @@ where
         Err(ConnEnd::Client(e)) => return end_with_error(&mut writer, e).await,
         Err(ConnEnd::Io(e)) => return Err(e),
     };
+    // From here on every log line is about this timeline: its ids are fields of the span.
+    let span = crate::timeline::span(&greeting.ttid());
+    accept(
+        reader,
+        writer,
+        timelines,
+        conn_ttid,
+        greeting,
+        allow_creation,
+        shutdown,
+    )
+    .instrument(span)
+    .await
+}
+
+/// The rest of a WAL push, once the greeting names the timeline.
+async fn accept<S>(
+    mut reader: ServerReader<ReadHalf<S>>,
+    mut writer: ServerWriter<WriteHalf<S>>,
+    timelines: Arc<GlobalTimelines>,
+    conn_ttid: Option<TenantTimelineId>,
+    greeting: ProposerGreeting,
+    allow_creation: bool,
+    shutdown: CancellationToken,
+) -> Result<(), PqError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     if let Some(ttid) = conn_ttid
         && ttid != greeting.ttid()
     {
@@ -138,9 +170,12 @@ where
     let tl = {
         let timelines = timelines.clone();
         let greeting = greeting.clone();
-        tokio::task::spawn_blocking(move || timelines.get_or_create(&greeting, allow_creation))
-            .await
-            .map_err(|e| PqError::Io(std::io::Error::other(e)))?
+        let span = tracing::Span::current();
+        tokio::task::spawn_blocking(move || {
+            span.in_scope(|| timelines.get_or_create(&greeting, allow_creation))
+        })
+        .await
+        .map_err(|e| PqError::Io(std::io::Error::other(e)))?
     };
     let tl = match tl {
         Ok(tl) => tl,
@@ -150,11 +185,11 @@ where
         }
     };
     let _counted = tl.proposer_guard();
-    tracing::info!(ttid = %tl.ttid, "proposer connected");
+    tracing::info!("proposer connected");
 
     let (reply_tx, reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
     let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx.clone());
-    let writer_task = tokio::spawn(run_writer(writer, reply_rx));
+    let writer_task = tokio::spawn(run_writer(writer, reply_rx).in_current_span());
 
     // The greeting goes through the acceptor like every other message, in order.
     let mut next = Some(ProposerAcceptorMessage::Greeting(greeting));
@@ -190,16 +225,16 @@ where
     drop(msg_tx);
     drop(reply_tx);
     if let Err(e) = acceptor.await {
-        tracing::error!(ttid = %tl.ttid, "WAL acceptor task failed: {e}");
+        tracing::error!("WAL acceptor task failed: {e}");
     }
     match writer_task.await {
         Ok(Err(e)) if result.is_ok() => {
-            tracing::debug!(ttid = %tl.ttid, "writing to the proposer: {e}");
+            tracing::debug!("writing to the proposer: {e}");
         }
-        Err(e) => tracing::error!(ttid = %tl.ttid, "WAL writer task failed: {e}"),
+        Err(e) => tracing::error!("WAL writer task failed: {e}"),
         _ => {}
     }
-    tracing::info!(ttid = %tl.ttid, positions = ?tl.positions(), "proposer disconnected");
+    tracing::info!(positions = ?tl.positions(), "proposer disconnected");
     result
 }
 
@@ -307,7 +342,7 @@ fn run_acceptor(tl: &Timeline, mut rx: mpsc::Receiver<QueuedMsg>, tx: mpsc::Send
             }
             Err(e) => {
                 metrics::count_proposer_message(label, false);
-                tracing::warn!(ttid = %tl.ttid, "{label} refused: {e}");
+                tracing::warn!("{label} refused: {e}");
                 let _ = tx.blocking_send(Outgoing::Error(ErrorFields::error(
                     sqlstate::INTERNAL_ERROR,
                     e.to_string(),
@@ -351,7 +386,7 @@ fn flush(tl: &Timeline, tx: &mpsc::Sender<Outgoing>, dirty: &mut bool, last: &mu
         }
         Ok(None) => true,
         Err(e) => {
-            tracing::error!(ttid = %tl.ttid, "flushing WAL: {e}");
+            tracing::error!("flushing WAL: {e}");
             let _ = tx.blocking_send(Outgoing::Error(ErrorFields::error(
                 sqlstate::INTERNAL_ERROR,
                 format!("flushing WAL: {e}"),

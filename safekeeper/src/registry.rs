@@ -86,8 +86,15 @@ impl GlobalTimelines {
                 if !fs.exists(&dir.join(CONTROL_FILE_NAME)) {
                     continue;
                 }
+                let timeline_name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                let _span = tracing::info_span!(
+                    "timeline",
+                    tenant_id = %name,
+                    timeline_id = %timeline_name
+                )
+                .entered();
                 let tl = Timeline::open(&fs, &dir, node_id, no_sync)?;
-                tracing::info!(ttid = %tl.ttid, positions = ?tl.positions(), "timeline loaded");
+                tracing::info!(positions = ?tl.positions(), "timeline loaded");
                 map.insert(tl.ttid, Arc::new(tl));
             }
         }
@@ -150,7 +157,7 @@ impl GlobalTimelines {
             .lock()
             .expect("timelines lock")
             .insert(ttid, tl.clone());
-        tracing::info!(%ttid, seg_size = greeting.wal_seg_size, "timeline created");
+        tracing::info!(seg_size = greeting.wal_seg_size, "timeline created");
         Ok(tl)
     }
 
@@ -218,7 +225,8 @@ impl GlobalTimelines {
     fn persist(&self, force: bool) {
         for tl in self.all() {
             if let Err(e) = tl.maybe_persist(force) {
-                tracing::error!(ttid = %tl.ttid, "persisting control file: {e}");
+                let _span = crate::timeline::span(&tl.ttid).entered();
+                tracing::error!("persisting control file: {e}");
             }
         }
     }

@@ -92,7 +92,7 @@ where
     let _counted = tl.reader_guard();
     conn.send_copy_both_response().await?;
     let (mut reader, mut writer) = conn.split();
-    tracing::info!(ttid = %tl.ttid, %start, ?term, "streaming WAL");
+    tracing::info!(%start, ?term, "streaming WAL");
     let result = stream(&mut reader, &mut writer, &tl, start, term, shutdown).await;
     match result {
         Ok(true) => {
@@ -237,7 +237,7 @@ where
                     // Truncated in the same term: look at the positions again.
                     Ok(TermRead::Truncated(_)) => continue,
                     Err(e) => {
-                        tracing::error!(ttid = %tl.ttid, "reading WAL at {pos}: {e}");
+                        tracing::error!("reading WAL at {pos}: {e}");
                         return Err(Ending::Error(ErrorFields::error(
                             sqlstate::INTERNAL_ERROR,
                             format!("could not read WAL at {pos}"),

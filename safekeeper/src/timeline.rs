@@ -104,6 +104,16 @@ pub struct TimelineStatus {
     pub readers: usize,
 }
 
+/// The span of everything done for timeline `ttid`: every log line inside it carries the
+/// timeline's `tenant_id` and `timeline_id` as fields (in JSON logs, under `span`).
+pub fn span(ttid: &TenantTimelineId) -> tracing::Span {
+    tracing::info_span!(
+        "timeline",
+        tenant_id = %ttid.tenant_id,
+        timeline_id = %ttid.timeline_id
+    )
+}
+
 /// One timeline of this node.
 pub struct Timeline {
     /// Which timeline.

@@ -11,6 +11,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 use crate::command::{ReplicationCommand, parse_command, parse_options};
 use crate::metrics;
@@ -159,7 +160,11 @@ async fn handle_connection(
                 let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
                     continue;
                 };
-                match handle_start_replication(conn, tl, start_lsn, term, shutdown.clone()).await? {
+                let span = crate::timeline::span(&tl.ttid);
+                match handle_start_replication(conn, tl, start_lsn, term, shutdown.clone())
+                    .instrument(span)
+                    .await?
+                {
                     StreamEnd::CopyDone(c) => conn = c,
                     StreamEnd::Closed => return Ok(()),
                 }

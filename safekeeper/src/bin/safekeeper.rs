@@ -1,4 +1,4 @@
-//! The safekeeper daemon: flags, tracing, allocator, then `safekeeper::daemon::run`.
+//! The safekeeper daemon: flags, logging, allocator, then `safekeeper::daemon::run`.
 
 use clap::Parser;
 use safekeeper::config::Conf;
@@ -8,12 +8,7 @@ profiling::global_allocator!();
 
 fn main() {
     let conf = Conf::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    safekeeper::logging::init(conf.log_format);
     // Before any other thread exists: see profiling::warm_up.
     profiling::warm_up();
     let result = tokio::runtime::Builder::new_multi_thread()
