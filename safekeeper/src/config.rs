@@ -1,10 +1,13 @@
 //! The daemon's configuration: command-line flags, each with an environment-variable override.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use anyhow::{Context, bail};
 use clap::Parser;
 
+use crate::limits::parse_duration;
 use sk_core::types::NodeId;
 
 /// mini-safekeeper: accepts PostgreSQL WAL from a proposer (neon's safekeeper protocol v3),
@@ -33,9 +36,38 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_PG_AUTH_TOKEN_FILE")]
     pub pg_auth_token_file: Option<PathBuf>,
 
+    /// Most PostgreSQL-protocol connections served at once; more are refused with
+    /// PostgreSQL's "too many connections" error (SQLSTATE 53300).
+    #[arg(long, env = "SAFEKEEPER_MAX_CONNECTIONS", default_value_t = 256,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_connections: usize,
+
+    /// A PostgreSQL-protocol connection on which no byte arrives, or none is accepted, for this
+    /// long is closed, streaming ones included (proposers send a heartbeat every second,
+    /// readers feedback every 10 s). `500ms`, `30s`, `10m`, `2h`.
+    #[arg(long, env = "SAFEKEEPER_PG_IDLE_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub pg_idle_timeout: Duration,
+
+    /// Time a client of the PostgreSQL port has to finish the startup handshake (encryption,
+    /// startup packet, password).
+    #[arg(long, env = "SAFEKEEPER_HANDSHAKE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub handshake_timeout: Duration,
+
+    /// Most HTTP requests in progress at once in each route class (data routes; status,
+    /// metrics and profiles); more get 503.
+    #[arg(long, env = "SAFEKEEPER_HTTP_MAX_CONCURRENT_REQUESTS", default_value_t = 128,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub http_max_concurrent_requests: usize,
+
     /// Skip every fsync. Only for tests and benchmarks: a crash can lose acknowledged WAL.
     #[arg(long, env = "SAFEKEEPER_NO_SYNC")]
     pub no_sync: bool,
+
+    /// Serve the test-only HTTP routes (failpoints, debug memory). Not a flag: only the
+    /// `safekeeper-testing` binary (built with the `testing` feature) sets it; without that
+    /// feature the routes are not compiled at all.
+    #[arg(skip)]
+    pub test_hooks: bool,
 }
 
 impl Conf {
@@ -54,6 +86,52 @@ impl Conf {
             listen_http: "127.0.0.1:0".parse().expect("valid address"),
             no_sync: false,
             pg_auth_token_file: None,
+            max_connections: 256,
+            pg_idle_timeout: Duration::from_secs(600),
+            handshake_timeout: Duration::from_secs(30),
+            http_max_concurrent_requests: 128,
+            test_hooks: false,
         }
+    }
+}
+
+/// Reads a key, token or certificate file given with `flag`. An unreadable file, or one that is
+/// empty or only whitespace, is an error naming the flag and the file: a daemon never starts
+/// with an empty secret (an empty shared secret would make the empty password valid).
+pub fn read_secret_file(flag: &str, path: &Path) -> anyhow::Result<Vec<u8>> {
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("{flag} {}: cannot read the file", path.display()))?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        bail!("{flag} {}: the file is empty", path.display());
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_or_unreadable_secret_files_are_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, " \n").unwrap();
+        let err = format!("{:#}", read_secret_file("--x", &empty).unwrap_err());
+        assert!(
+            err.contains("--x") && err.contains(&*empty.to_string_lossy()),
+            "{err}"
+        );
+        assert!(err.contains("empty"), "{err}");
+        let missing = dir.path().join("missing");
+        let err = format!("{:#}", read_secret_file("--x", &missing).unwrap_err());
+        assert!(
+            err.contains(&*missing.to_string_lossy()) && err.contains("cannot read"),
+            "{err}"
+        );
+        // A directory is not a readable file either.
+        let err = format!("{:#}", read_secret_file("--x", dir.path()).unwrap_err());
+        assert!(err.contains("cannot read"), "{err}");
+        std::fs::write(&empty, "s3cret\n").unwrap();
+        assert_eq!(read_secret_file("--x", &empty).unwrap(), b"s3cret\n");
     }
 }

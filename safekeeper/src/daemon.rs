@@ -1,8 +1,9 @@
 //! Running the daemon: lock the data directory, bind the listeners, serve until shut down.
 //!
-//! The binary (`src/bin/safekeeper.rs`) only parses flags, sets up tracing and the allocator,
-//! and calls [`run`]. Tests call [`bind`] and [`run`] with ephemeral ports and their own shutdown
-//! future.
+//! The binaries (`src/bin/safekeeper.rs`, and `src/bin/safekeeper-testing.rs` with the test
+//! hooks on) set up the allocator and call [`main`], which parses flags, sets up tracing and the
+//! runtime and calls [`run`]. Tests call [`bind`] and [`run`] with ephemeral ports and their own
+//! shutdown future.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::future::Future;
@@ -17,10 +18,59 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Conf;
+use crate::config::{Conf, read_secret_file};
 use crate::registry::{GlobalTimelines, TimelineCollector};
+use crate::wal_service::WalServiceConf;
 use crate::{http, wal_service};
 use pq_proto::server::ServerConfig;
+
+/// Whether a binary serves the test-only HTTP routes (failpoints, debug memory). Only the
+/// `safekeeper-testing` binary, built with the `testing` feature, passes [`TestHooks::On`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TestHooks {
+    /// The real daemon: test-only routes answer 404.
+    Off,
+    /// The test build: failpoints and debug routes are served.
+    On,
+}
+
+/// The body of a safekeeper binary: flags, tracing, a multi-threaded runtime, [`bind`] and
+/// [`run`] until SIGTERM or SIGINT; exits 1 with the error on failure.
+pub fn main(hooks: TestHooks) {
+    use clap::Parser;
+    let mut conf = Conf::parse();
+    conf.test_hooks = hooks == TestHooks::On;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    if conf.test_hooks {
+        tracing::warn!(
+            "test build: PUT /v1/failpoints and /v1/debug/* are served; never run this binary \
+             in production"
+        );
+    }
+    // Before any other thread exists: see profiling::warm_up.
+    profiling::warm_up();
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("safekeeper-worker")
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|runtime| {
+            runtime.block_on(async move {
+                let listeners = bind(&conf).await?;
+                run(conf, listeners, shutdown_signal()).await
+            })
+        });
+    if let Err(e) = result {
+        tracing::error!("{e:#}");
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
 
 /// Name of the lock file inside the data directory.
 pub const LOCK_FILE: &str = "safekeeper.lock";
@@ -116,19 +166,24 @@ pub async fn run(
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    // Secrets first: an unreadable or empty file stops start-up, naming the file.
+    let password = match &conf.pg_auth_token_file {
+        Some(path) => {
+            let mut secret = read_secret_file("--pg-auth-token-file", path)?;
+            secret.truncate(secret.trim_ascii_end().len());
+            Some(secret)
+        }
+        None => None,
+    };
     let lock = DataDirLock::acquire(&conf.datadir)?;
-    let server_config = ServerConfig {
-        password: match &conf.pg_auth_token_file {
-            Some(path) => Some(
-                std::fs::read_to_string(path)
-                    .with_context(|| format!("reading --pg-auth-token-file {}", path.display()))?
-                    .trim_end_matches(['\n', '\r'])
-                    .as_bytes()
-                    .to_vec(),
-            ),
-            None => None,
+    let pg_conf = WalServiceConf {
+        server: ServerConfig {
+            password,
+            ..ServerConfig::default()
         },
-        ..ServerConfig::default()
+        max_connections: conf.max_connections,
+        idle_timeout: conf.pg_idle_timeout,
+        handshake_timeout: conf.handshake_timeout,
     };
     let timelines = {
         let (datadir, node_id, no_sync) = (conf.datadir.clone(), conf.node_id(), conf.no_sync);
@@ -156,7 +211,7 @@ pub async fn run(
     let pg = tokio::spawn(wal_service::run(
         listeners.pg,
         timelines.clone(),
-        server_config,
+        pg_conf,
         cancel.clone(),
         tasks.clone(),
     ));

@@ -8,12 +8,16 @@
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
+use axum::error_handling::HandleErrorLayer;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
+use tower::limit::GlobalConcurrencyLimitLayer;
+use tower::load_shed::LoadShedLayer;
+use tower::{BoxError, ServiceBuilder};
 
 use crate::config::Conf;
 use crate::registry::GlobalTimelines;
@@ -78,19 +82,65 @@ pub struct AppState {
     pub timelines: Arc<GlobalTimelines>,
 }
 
-/// The safekeeper's HTTP router.
+/// The safekeeper's HTTP router: the data routes and the observability routes, each class
+/// with its own concurrent-request limit (`--http-max-concurrent-requests`; excess gets 503).
+///
+/// A new route goes into the class it belongs to: [`data_routes`] (anything that reveals or
+/// changes timeline state) or [`ops_routes`] (status, metrics, profiles). Being mounted there is
+/// what gives it the class's limit (and its authentication).
 pub fn app(state: Arc<AppState>) -> Router {
-    let router = Router::new()
+    let max = state.conf.http_max_concurrent_requests;
+    let data = limited(data_routes(&state).with_state(state.clone()), max, "data");
+    let ops = ops_routes().with_state(state).merge(profiling::router());
+    let ops = limited(ops, max, "status, metrics and profile");
+    data.merge(ops)
+}
+
+/// The data routes: timeline state (and, in the test build, the test hooks).
+pub fn data_routes(state: &AppState) -> Router<Arc<AppState>> {
+    let router = Router::new().route("/v1/timelines", get(timelines)).route(
+        "/v1/tenant/{tenant_id}/timeline/{timeline_id}",
+        get(timeline_status),
+    );
+    // Only the `safekeeper-testing` binary mounts these (`Conf::test_hooks`); the real binary
+    // answers 404 even when built with the feature.
+    #[cfg(feature = "testing")]
+    let router = if state.conf.test_hooks {
+        router.merge(testing::routes())
+    } else {
+        router
+    };
+    #[cfg(not(feature = "testing"))]
+    let _ = state;
+    router
+}
+
+/// The observability routes: status and metrics (the profiling crate's routes join them in
+/// [`app`]).
+pub fn ops_routes() -> Router<Arc<AppState>> {
+    Router::new()
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
-        .route("/v1/timelines", get(timelines))
-        .route(
-            "/v1/tenant/{tenant_id}/timeline/{timeline_id}",
-            get(timeline_status),
-        );
-    #[cfg(feature = "testing")]
-    let router = router.merge(testing::routes());
-    router.with_state(state).merge(profiling::router())
+}
+
+/// Applies a route class's concurrent-request limit to every route of `router`: one
+/// semaphore shared by the class (tower's global concurrency limit); a request beyond it is
+/// shed at once with 503 instead of queueing.
+fn limited(router: Router, max: usize, class: &'static str) -> Router {
+    router.route_layer(
+        ServiceBuilder::new()
+            .layer(HandleErrorLayer::new(move |_: BoxError| async move {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "too many {class} requests in progress (--http-max-concurrent-requests); \
+                         retry later\n"
+                    ),
+                )
+            }))
+            .layer(LoadShedLayer::new())
+            .layer(GlobalConcurrencyLimitLayer::new(max)),
+    )
 }
 
 #[derive(Serialize)]
@@ -151,7 +201,8 @@ async fn metrics() -> Result<Response, ApiError> {
     Ok(([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], out).into_response())
 }
 
-/// Test hooks, compiled only with the `testing` feature.
+/// Test hooks, compiled only with the `testing` feature and mounted only by the
+/// `safekeeper-testing` binary.
 #[cfg(feature = "testing")]
 mod testing {
     use std::collections::HashMap;

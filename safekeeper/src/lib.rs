@@ -10,13 +10,15 @@
 //!    errors) and [`registry`] (the node's timelines: loading, lookup, creation, metrics);
 //! 3. network and tasks (tokio): [`command`] (neon's replication commands), [`wal_service`] (the
 //!    listener), [`receive_wal`] (the pipelined WAL acceptor), [`send_wal`] (the walsender);
-//! 4. HTTP: [`http`], [`metrics`]; [`config`] and [`daemon`] tie everything together.
+//! 4. HTTP: [`http`], [`metrics`]; [`limits`] (connection limits, idle timeouts); [`config`]
+//!    and [`daemon`] tie everything together.
 
 pub mod command;
 pub mod config;
 pub mod control_file;
 pub mod daemon;
 pub mod http;
+pub mod limits;
 pub mod metrics;
 pub mod receive_wal;
 pub mod registry;

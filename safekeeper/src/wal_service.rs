@@ -4,15 +4,21 @@
 //! The timeline comes from the startup `options` (`-c tenant_id=… timeline_id=…`, neon's
 //! convention). A reader that names none is served the node's only timeline when there is
 //! exactly one, so a plain `primary_conninfo` works against a single-timeline safekeeper.
+//!
+//! Each connection takes a slot of `--max-connections` (beyond it: FATAL 53300), runs on a
+//! socket with the idle timeout ([`IdleTimeout`]: no byte in or out for `--pg-idle-timeout`
+//! ends it, streaming included), and must finish its handshake within `--handshake-timeout`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::command::{ReplicationCommand, parse_command, parse_options};
+use crate::limits::{ConnectionLimit, IdleTimeout};
 use crate::metrics;
 use crate::receive_wal::handle_wal_push;
 use crate::registry::GlobalTimelines;
@@ -24,20 +30,43 @@ use pq_proto::server::{ServerConfig, ServerConn};
 use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
 use sk_core::types::TenantTimelineId;
 
-/// How long a client may take to finish the startup handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a connection may stay silent in query mode.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+/// How the listener serves connections: protocol settings and limits.
+#[derive(Clone, Debug)]
+pub struct WalServiceConf {
+    /// The protocol server's settings (authentication, message size limits).
+    pub server: ServerConfig,
+    /// Most connections served at once; more are refused with SQLSTATE 53300.
+    pub max_connections: usize,
+    /// A connection on which no byte arrives (or none is accepted) for this long is closed,
+    /// in every phase, streaming included.
+    pub idle_timeout: Duration,
+    /// Time a client has to finish the startup handshake.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for WalServiceConf {
+    fn default() -> Self {
+        WalServiceConf {
+            server: ServerConfig::default(),
+            max_connections: 256,
+            idle_timeout: Duration::from_secs(600),
+            handshake_timeout: Duration::from_secs(30),
+        }
+    }
+}
 
 /// Accepts connections until `shutdown` is cancelled; connection tasks are tracked by `tasks`
-/// so the caller can wait for them to finish.
+/// so the caller can wait for them to finish. Beyond `conf.max_connections`, connections are
+/// refused with PostgreSQL's "too many connections" error.
 pub async fn run(
     listener: TcpListener,
     timelines: Arc<GlobalTimelines>,
-    config: ServerConfig,
+    conf: WalServiceConf,
     shutdown: CancellationToken,
     tasks: TaskTracker,
 ) {
+    let limit = ConnectionLimit::new(conf.max_connections);
+    let conf = Arc::new(conf);
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -53,11 +82,21 @@ pub async fn run(
             }
         };
         let _ = stream.set_nodelay(true);
+        let Some(slot) = limit.try_acquire() else {
+            metrics::PG_CONNECTIONS
+                .with_label_values(&["too_many"])
+                .inc();
+            tracing::debug!(%peer, "refused: too many connections");
+            limit.refuse(stream);
+            continue;
+        };
         let timelines = timelines.clone();
-        let config = config.clone();
+        let conf = conf.clone();
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
-            match handle_connection(stream, timelines, config, shutdown).await {
+            let _slot = slot;
+            let stream = IdleTimeout::new(stream, conf.idle_timeout);
+            match handle_connection(stream, timelines, &conf, shutdown).await {
                 Ok(()) => metrics::PG_CONNECTIONS.with_label_values(&["ok"]).inc(),
                 Err(e) => {
                     metrics::PG_CONNECTIONS.with_label_values(&["error"]).inc();
@@ -68,16 +107,27 @@ pub async fn run(
     }
 }
 
-async fn handle_connection(
-    stream: TcpStream,
+async fn handle_connection<S>(
+    stream: S,
     timelines: Arc<GlobalTimelines>,
-    config: ServerConfig,
+    conf: &WalServiceConf,
     shutdown: CancellationToken,
-) -> Result<(), PqError> {
-    let mut conn = ServerConn::new(stream, config);
-    let params = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
+) -> Result<(), PqError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut conn = ServerConn::new(stream, conf.server.clone());
+    let params = match tokio::time::timeout(conf.handshake_timeout, conn.handshake()).await {
         Ok(r) => r?,
-        Err(_) => return Err(PqError::Io(std::io::ErrorKind::TimedOut.into())),
+        Err(_) => {
+            return Err(PqError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the startup handshake took longer than {:?} (--handshake-timeout)",
+                    conf.handshake_timeout
+                ),
+            )));
+        }
     };
     let appname = params.application_name().unwrap_or("").to_string();
     let options = match parse_options(params.get("options").unwrap_or("")) {
@@ -108,11 +158,9 @@ async fn handle_connection(
     };
 
     loop {
+        // The idle timeout is the stream's (IdleTimeout): a silent client ends with TimedOut.
         let msg = tokio::select! {
-            m = tokio::time::timeout(IDLE_TIMEOUT, conn.read_message()) => match m {
-                Ok(m) => m?,
-                Err(_) => return Ok(()),
-            },
+            m = conn.read_message() => m?,
             _ = shutdown.cancelled() => {
                 conn.send_fatal(ErrorFields::fatal(sqlstate::ADMIN_SHUTDOWN, "the safekeeper is shutting down")).await?;
                 return Ok(());

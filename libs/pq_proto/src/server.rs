@@ -25,7 +25,7 @@ use crate::backend::{
     Authentication, BackendMessage, CopyResponse, FieldDescription, TransactionStatus,
     put_copy_data,
 };
-use crate::error::{ErrorFields, sqlstate};
+use crate::error::{ErrorFields, ProtocolError, sqlstate};
 use crate::framing::DEFAULT_MAX_MESSAGE_SIZE;
 use crate::frontend::{FrontendMessage, StartupPacket, StartupParams, decode_startup};
 use crate::io::{flush_buf, read_frame, read_frontend};
@@ -45,7 +45,14 @@ pub struct ServerConfig {
     pub server_version: String,
     /// Limit on one message body from the client.
     pub max_message_size: usize,
+    /// Limit on each message before authentication completes (the startup packet, SSL/GSS
+    /// requests, the password): an unauthenticated client can make the server buffer no more.
+    pub max_startup_message_size: usize,
 }
+
+/// Default [`ServerConfig::max_startup_message_size`]: 8 KiB holds any real startup packet and
+/// a JWT, and is below PostgreSQL's own 10,000-byte startup packet limit.
+pub const DEFAULT_MAX_STARTUP_MESSAGE_SIZE: usize = 8192;
 
 impl std::fmt::Debug for ServerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -53,6 +60,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("server_version", &self.server_version)
             .field("max_message_size", &self.max_message_size)
+            .field("max_startup_message_size", &self.max_startup_message_size)
             .finish()
     }
 }
@@ -63,6 +71,7 @@ impl Default for ServerConfig {
             password: None,
             server_version: DEFAULT_SERVER_VERSION.to_string(),
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            max_startup_message_size: DEFAULT_MAX_STARTUP_MESSAGE_SIZE,
         }
     }
 }
@@ -127,8 +136,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
     /// and drop the connection if it fires.
     pub async fn handshake(&mut self) -> Result<StartupParams, PqError> {
         let mut negotiations = 0;
+        let limit = self.config.max_startup_message_size;
         let (minor_version, params) = loop {
             let pkt = match read_frame(&mut self.stream, &mut self.read_buf, 0, |b, _| {
+                // The length word is checked against our pre-authentication limit before
+                // anything more is buffered.
+                if let Some(len) = b.get(..4) {
+                    let len = i32::from_be_bytes([len[0], len[1], len[2], len[3]]);
+                    if let Ok(len) = usize::try_from(len)
+                        && len > limit
+                    {
+                        return Err(ProtocolError::TooLarge { len, max: limit });
+                    }
+                }
                 decode_startup(b)
             })
             .await
@@ -230,7 +250,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
                 Authentication::CleartextPassword,
             ));
             self.flush().await?;
-            match self.read_message().await? {
+            // Not yet authenticated: the password is held to the startup limit too.
+            let password = read_frontend(&mut self.stream, &mut self.read_buf, limit).await;
+            let password = match password {
+                Err(PqError::Protocol(e)) => return Err(self.reject(e.to_error_fields()).await),
+                other => other?,
+            };
+            match password {
                 Some(FrontendMessage::Password(p)) => {
                     if !constant_time_eq(&p, &secret) {
                         return Err(self
