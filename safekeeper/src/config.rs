@@ -36,6 +36,24 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_PG_AUTH_TOKEN_FILE")]
     pub pg_auth_token_file: Option<PathBuf>,
 
+    /// Ed25519 public keys that tokens are checked against (neon's JWT auth): a PEM file, or a
+    /// directory of them; reloaded on SIGHUP. With keys, the PostgreSQL port takes a token as
+    /// the password and HTTP as `Authorization: Bearer`. Without, the daemon is open and may
+    /// listen on loopback addresses only (unless --allow-no-auth).
+    #[arg(long, env = "SAFEKEEPER_AUTH_PUBLIC_KEY_PATH")]
+    pub auth_public_key_path: Option<PathBuf>,
+
+    /// Allow listening on a non-loopback address without --auth-public-key-path: anyone who can
+    /// reach the ports can read and write every timeline.
+    #[arg(long, env = "SAFEKEEPER_ALLOW_NO_AUTH")]
+    pub allow_no_auth: bool,
+
+    /// With --auth-public-key-path, require a token (scope safekeeperdata) on /v1/status,
+    /// /metrics and /profile/* too. By default they stay open, as in neon, for scrapers and
+    /// profilers.
+    #[arg(long, env = "SAFEKEEPER_AUTH_OPS_ROUTES")]
+    pub auth_ops_routes: bool,
+
     /// Most PostgreSQL-protocol connections served at once; more are refused with
     /// PostgreSQL's "too many connections" error (SQLSTATE 53300).
     #[arg(long, env = "SAFEKEEPER_MAX_CONNECTIONS", default_value_t = 256,
@@ -76,6 +94,25 @@ impl Conf {
         NodeId(self.id)
     }
 
+    /// Refuses to listen beyond loopback without authentication, unless --allow-no-auth.
+    pub fn check_open_binding(&self) -> anyhow::Result<()> {
+        if self.auth_public_key_path.is_some() || self.allow_no_auth {
+            return Ok(());
+        }
+        for (flag, addr) in [
+            ("--listen-pg", self.listen_pg),
+            ("--listen-http", self.listen_http),
+        ] {
+            if !addr.ip().is_loopback() {
+                bail!(
+                    "{flag} {addr} is not a loopback address and authentication is off: give \
+                     --auth-public-key-path, or --allow-no-auth to serve it open"
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// A configuration with defaults for `datadir`, listening on ephemeral loopback ports (for
     /// tests).
     pub fn for_tests(datadir: PathBuf) -> Conf {
@@ -86,6 +123,9 @@ impl Conf {
             listen_http: "127.0.0.1:0".parse().expect("valid address"),
             no_sync: false,
             pg_auth_token_file: None,
+            auth_public_key_path: None,
+            allow_no_auth: false,
+            auth_ops_routes: false,
             max_connections: 256,
             pg_idle_timeout: Duration::from_secs(600),
             handshake_timeout: Duration::from_secs(30),

@@ -18,6 +18,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::auth::JwtAuth;
 use crate::config::{Conf, read_secret_file};
 use crate::registry::{GlobalTimelines, TimelineCollector};
 use crate::wal_service::WalServiceConf;
@@ -147,6 +148,7 @@ impl Listeners {
 
 /// Binds every listener the configuration names.
 pub async fn bind(conf: &Conf) -> anyhow::Result<Listeners> {
+    conf.check_open_binding()?;
     let http = TcpListener::bind(conf.listen_http)
         .await
         .with_context(|| format!("binding the HTTP listener on {}", conf.listen_http))?;
@@ -175,6 +177,11 @@ pub async fn run(
         }
         None => None,
     };
+    let auth = match &conf.auth_public_key_path {
+        Some(path) => Some(Arc::new(JwtAuth::load(path)?)),
+        None => None,
+    };
+    conf.check_open_binding()?;
     let lock = DataDirLock::acquire(&conf.datadir)?;
     let pg_conf = WalServiceConf {
         server: ServerConfig {
@@ -184,6 +191,7 @@ pub async fn run(
         max_connections: conf.max_connections,
         idle_timeout: conf.pg_idle_timeout,
         handshake_timeout: conf.handshake_timeout,
+        auth: auth.clone(),
     };
     let timelines = {
         let (datadir, node_id, no_sync) = (conf.datadir.clone(), conf.node_id(), conf.no_sync);
@@ -204,10 +212,26 @@ pub async fn run(
         no_sync = conf.no_sync,
         "safekeeper started"
     );
+    match &auth {
+        Some(a) => tracing::info!(
+            keys = %a.path().display(),
+            ops_routes_open = !conf.auth_ops_routes,
+            "JWT authentication on both ports"
+        ),
+        None if conf.allow_no_auth => tracing::warn!(
+            "authentication is OFF (--allow-no-auth): anyone who reaches the ports can read and \
+             write every timeline"
+        ),
+        None => tracing::warn!(
+            "authentication is off: serving loopback only (give --auth-public-key-path to \
+             require tokens)"
+        ),
+    }
 
     let cancel = CancellationToken::new();
     let tasks = TaskTracker::new();
     let manager = tokio::spawn(timelines.clone().run_manager(cancel.clone()));
+    let reloader = tokio::spawn(reload_on_sighup(auth.clone(), cancel.clone()));
     let pg = tokio::spawn(wal_service::run(
         listeners.pg,
         timelines.clone(),
@@ -220,6 +244,7 @@ pub async fn run(
         started: Instant::now(),
         started_at: SystemTime::now(),
         timelines: timelines.clone(),
+        auth,
     });
     let http_cancel = cancel.clone();
     let http = tokio::spawn(
@@ -239,6 +264,7 @@ pub async fn run(
         tracing::warn!("connections did not finish within {SHUTDOWN_GRACE:?}");
     }
     let _ = manager.await;
+    let _ = reloader.await;
     tokio::task::spawn_blocking(move || timelines.persist_all())
         .await
         .context("persisting timelines")?;
@@ -249,6 +275,33 @@ pub async fn run(
     }
     tracing::info!(lock = %lock.path().display(), "safekeeper stopped");
     Ok(())
+}
+
+/// Reloads the JWT keys on every SIGHUP until `cancel` (a failed reload keeps the old keys).
+async fn reload_on_sighup(auth: Option<Arc<JwtAuth>>, cancel: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!("installing the SIGHUP handler: {e}");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = hup.recv() => {}
+            _ = cancel.cancelled() => return,
+        }
+        tracing::info!("SIGHUP received, reloading keys");
+        if let Some(auth) = &auth {
+            match auth.reload() {
+                Ok(n) => {
+                    tracing::info!(keys = n, path = %auth.path().display(), "JWT keys reloaded")
+                }
+                Err(e) => tracing::error!("reloading JWT keys (the old ones stay in force): {e:#}"),
+            }
+        }
+    }
 }
 
 /// Resolves on the first SIGTERM or SIGINT.

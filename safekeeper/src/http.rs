@@ -9,8 +9,10 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use axum::error_handling::HandleErrorLayer;
-use axum::extract::{Path, State};
+use axum::extract::rejection::RawPathParamsRejection;
+use axum::extract::{Path, RawPathParams, Request, State};
 use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -19,10 +21,11 @@ use tower::limit::GlobalConcurrencyLimitLayer;
 use tower::load_shed::LoadShedLayer;
 use tower::{BoxError, ServiceBuilder};
 
+use crate::auth::{AuthError, JwtAuth, check_permission};
 use crate::config::Conf;
 use crate::registry::GlobalTimelines;
 use crate::timeline::{TimelineError, TimelineStatus};
-use sk_core::types::TenantTimelineId;
+use sk_core::types::{TenantId, TenantTimelineId};
 
 /// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
 /// generic body (details in the log) for ours.
@@ -31,6 +34,12 @@ pub enum ApiError {
     /// 400: the caller's mistake, with the reason.
     #[error("{0}")]
     BadRequest(String),
+    /// 401: no token, or one that is not valid.
+    #[error("{0}")]
+    Unauthorized(String),
+    /// 403: a valid token that does not grant this.
+    #[error("{0}")]
+    Forbidden(String),
     /// 404: no such object.
     #[error("{0}")]
     NotFound(String),
@@ -53,9 +62,25 @@ impl From<TimelineError> for ApiError {
     }
 }
 
+impl From<AuthError> for ApiError {
+    fn from(e: AuthError) -> ApiError {
+        match e {
+            AuthError::Unauthenticated(m) => ApiError::Unauthorized(m),
+            AuthError::Forbidden(m) => ApiError::Forbidden(m),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match self {
+            ApiError::Unauthorized(m) => (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                format!("{m}\n"),
+            )
+                .into_response(),
+            ApiError::Forbidden(m) => (StatusCode::FORBIDDEN, format!("{m}\n")).into_response(),
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response(),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, format!("{m}\n")).into_response(),
             ApiError::Internal(e) => {
@@ -80,20 +105,79 @@ pub struct AppState {
     pub started_at: SystemTime,
     /// The node's timelines.
     pub timelines: Arc<GlobalTimelines>,
+    /// JWT keys (`--auth-public-key-path`); `None`: no authentication (loopback only).
+    pub auth: Option<Arc<JwtAuth>>,
 }
 
 /// The safekeeper's HTTP router: the data routes and the observability routes, each class
-/// with its own concurrent-request limit (`--http-max-concurrent-requests`; excess gets 503).
+/// with its own concurrent-request limit (`--http-max-concurrent-requests`; excess gets 503)
+/// and its authentication.
 ///
-/// A new route goes into the class it belongs to: [`data_routes`] (anything that reveals or
-/// changes timeline state) or [`ops_routes`] (status, metrics, profiles). Being mounted there is
-/// what gives it the class's limit (and its authentication).
+/// A new route goes into the class it belongs to, and being mounted there is all it takes:
+/// - [`data_routes`]: anything that reveals or changes timeline state. With
+///   `--auth-public-key-path` every request needs `Authorization: Bearer <JWT>`: a route whose
+///   path has a `{tenant_id}` parameter accepts scope `safekeeperdata` or a `tenant` token of
+///   that tenant; any other needs `safekeeperdata`. Handlers may read the verified claims as
+///   `Option<Extension<auth::Claims>>`.
+/// - [`ops_routes`]: status, metrics, profiles; open unless `--auth-ops-routes` (then the same
+///   check as data routes).
 pub fn app(state: Arc<AppState>) -> Router {
     let max = state.conf.http_max_concurrent_requests;
+    let auth = state.auth.clone();
     let data = limited(data_routes(&state).with_state(state.clone()), max, "data");
+    let data = with_auth(data, auth.clone());
+    let ops_auth = if state.conf.auth_ops_routes {
+        auth
+    } else {
+        None
+    };
     let ops = ops_routes().with_state(state).merge(profiling::router());
-    let ops = limited(ops, max, "status, metrics and profile");
+    let ops = with_auth(limited(ops, max, "status, metrics and profile"), ops_auth);
     data.merge(ops)
+}
+
+/// Requires a token on every route of `router` when `auth` is set ([`require_token`]). Applied
+/// outside the class limit: a request without a valid token takes no slot.
+fn with_auth(router: Router, auth: Option<Arc<JwtAuth>>) -> Router {
+    match auth {
+        Some(auth) => router.route_layer(middleware::from_fn_with_state(auth, require_token)),
+        None => router,
+    }
+}
+
+/// The authentication of a route class: a valid bearer token (401 otherwise) whose scope
+/// covers the route's `tenant_id` path parameter, or the whole safekeeper when the route has
+/// none (403 otherwise). The claims go into the request's extensions.
+async fn require_token(
+    State(auth): State<Arc<JwtAuth>>,
+    params: Result<RawPathParams, RawPathParamsRejection>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .ok_or_else(|| ApiError::Unauthorized("missing Authorization: Bearer <token>".into()))?;
+    let claims = auth.decode(token.trim())?;
+    let tenant = match params
+        .as_ref()
+        .ok()
+        .and_then(|p| p.iter().find(|(k, _)| *k == "tenant_id"))
+    {
+        Some((_, v)) => Some(
+            v.parse::<TenantId>()
+                .map_err(|e| ApiError::BadRequest(e.to_string()))?,
+        ),
+        None => None,
+    };
+    check_permission(&claims, tenant)?;
+    req.extensions_mut().insert(claims);
+    Ok(next.run(req).await)
 }
 
 /// The data routes: timeline state (and, in the test build, the test hooks).

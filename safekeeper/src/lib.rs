@@ -10,9 +10,10 @@
 //!    errors) and [`registry`] (the node's timelines: loading, lookup, creation, metrics);
 //! 3. network and tasks (tokio): [`command`] (neon's replication commands), [`wal_service`] (the
 //!    listener), [`receive_wal`] (the pipelined WAL acceptor), [`send_wal`] (the walsender);
-//! 4. HTTP: [`http`], [`metrics`]; [`limits`] (connection limits, idle timeouts); [`config`]
+//! 4. HTTP: [`http`], [`metrics`]; [`auth`] (JWT scopes, both ports); [`limits`] (connection limits, idle timeouts); [`config`]
 //!    and [`daemon`] tie everything together.
 
+pub mod auth;
 pub mod command;
 pub mod config;
 pub mod control_file;

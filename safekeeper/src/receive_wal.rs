@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::{Claims, check_permission};
 use crate::metrics;
 use crate::registry::GlobalTimelines;
 use crate::timeline::Timeline;
@@ -82,6 +83,7 @@ pub async fn handle_wal_push<S>(
     mut conn: ServerConn<S>,
     timelines: Arc<GlobalTimelines>,
     conn_ttid: Option<TenantTimelineId>,
+    claims: Option<Claims>,
     proto_version: u32,
     allow_creation: bool,
     shutdown: CancellationToken,
@@ -132,6 +134,16 @@ where
                     greeting.ttid()
                 ),
             ),
+        )
+        .await;
+    }
+    // A tenant token pushes only to its tenant's timelines.
+    if let Some(claims) = &claims
+        && let Err(e) = check_permission(claims, Some(greeting.ttid().tenant_id))
+    {
+        return end_with_error(
+            &mut writer,
+            ErrorFields::error(sqlstate::INVALID_AUTHORIZATION_SPECIFICATION, e.to_string()),
         )
         .await;
     }

@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::auth::{AuthError, Claims, JwtAuth, Scope, check_permission};
 use crate::command::{ReplicationCommand, parse_command, parse_options};
 use crate::limits::{ConnectionLimit, IdleTimeout};
 use crate::metrics;
@@ -26,6 +27,7 @@ use crate::send_wal::{StreamEnd, handle_start_replication};
 use crate::timeline::Timeline;
 use pq_proto::PqError;
 use pq_proto::backend::FieldDescription;
+use pq_proto::frontend::StartupParams;
 use pq_proto::server::{ServerConfig, ServerConn};
 use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
 use sk_core::types::TenantTimelineId;
@@ -42,6 +44,9 @@ pub struct WalServiceConf {
     pub idle_timeout: Duration,
     /// Time a client has to finish the startup handshake.
     pub handshake_timeout: Duration,
+    /// JWT keys: with them the password must be a token whose scope covers the timelines the
+    /// connection touches. `None`: `server.password` or trust.
+    pub auth: Option<Arc<JwtAuth>>,
 }
 
 impl Default for WalServiceConf {
@@ -51,6 +56,7 @@ impl Default for WalServiceConf {
             max_connections: 256,
             idle_timeout: Duration::from_secs(600),
             handshake_timeout: Duration::from_secs(30),
+            auth: None,
         }
     }
 }
@@ -117,7 +123,16 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut conn = ServerConn::new(stream, conf.server.clone());
-    let params = match tokio::time::timeout(conf.handshake_timeout, conn.handshake()).await {
+    let handshake = async {
+        match &conf.auth {
+            None => conn.handshake().await.map(|p| (p, None)),
+            Some(auth) => conn
+                .handshake_with_password(|params, pw| authenticate(auth, params, pw))
+                .await
+                .map(|(p, claims)| (p, Some(claims))),
+        }
+    };
+    let (params, claims) = match tokio::time::timeout(conf.handshake_timeout, handshake).await {
         Ok(r) => r?,
         Err(_) => {
             return Err(PqError::Io(std::io::Error::new(
@@ -195,6 +210,7 @@ where
                     conn,
                     timelines,
                     conn_ttid,
+                    claims,
                     proto_version,
                     allow_timeline_creation,
                     shutdown,
@@ -204,7 +220,8 @@ where
             ReplicationCommand::StartReplication {
                 start_lsn, term, ..
             } => {
-                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid, claims.as_ref()).await?
+                else {
                     continue;
                 };
                 match handle_start_replication(conn, tl, start_lsn, term, shutdown.clone()).await? {
@@ -213,7 +230,8 @@ where
                 }
             }
             ReplicationCommand::IdentifySystem => {
-                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid, claims.as_ref()).await?
+                else {
                     continue;
                 };
                 let pos = tl.positions();
@@ -264,7 +282,9 @@ where
                 let value = match name.as_str() {
                     "data_directory_mode" => Some("0700".to_string()),
                     "wal_segment_size" => {
-                        let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                        let Some(tl) =
+                            resolve(&mut conn, &timelines, conn_ttid, claims.as_ref()).await?
+                        else {
                             continue;
                         };
                         Some(format_seg_size(tl.seg_size))
@@ -290,7 +310,8 @@ where
                 }
             }
             ReplicationCommand::ReadReplicationSlot(slot) => {
-                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid, claims.as_ref()).await?
+                else {
                     continue;
                 };
                 // Slots are not kept here: every slot name maps to the oldest WAL we hold, so a
@@ -328,6 +349,7 @@ async fn resolve<S>(
     conn: &mut ServerConn<S>,
     timelines: &GlobalTimelines,
     conn_ttid: Option<TenantTimelineId>,
+    claims: Option<&Claims>,
 ) -> Result<Option<Arc<Timeline>>, PqError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
@@ -348,6 +370,17 @@ where
             }
         }
     };
+    // A tenant token reaches only its tenant's timelines.
+    if let (Ok(tl), Some(claims)) = (&found, claims)
+        && let Err(e) = check_permission(claims, Some(tl.ttid.tenant_id))
+    {
+        conn.send_error(ErrorFields::error(
+            sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+            e.to_string(),
+        ))
+        .await?;
+        return Ok(None);
+    }
     match found {
         Ok(tl) => Ok(Some(tl)),
         Err(msg) => {
@@ -356,6 +389,32 @@ where
             Ok(None)
         }
     }
+}
+
+/// Checks the password of a connection as a JWT: valid, and, when the startup options name a
+/// tenant, granting it (each command checks the timeline it touches, too). Refusals are FATAL
+/// 28000 with the reason.
+fn authenticate(
+    auth: &JwtAuth,
+    params: &StartupParams,
+    password: &[u8],
+) -> Result<Claims, ErrorFields> {
+    let denied = |e: AuthError| {
+        ErrorFields::fatal(sqlstate::INVALID_AUTHORIZATION_SPECIFICATION, e.to_string())
+    };
+    let token = std::str::from_utf8(password).map_err(|_| {
+        denied(AuthError::Unauthenticated(
+            "invalid token: not UTF-8".into(),
+        ))
+    })?;
+    let claims = auth.decode(token.trim()).map_err(denied)?;
+    let tenant = parse_options(params.get("options").unwrap_or(""))
+        .ok()
+        .and_then(|o| o.tenant_id);
+    if tenant.is_some() || claims.scope == Scope::Other {
+        check_permission(&claims, tenant).map_err(denied)?;
+    }
+    Ok(claims)
 }
 
 /// `SHOW wal_segment_size` the way PostgreSQL prints it: `16MB`, `1GB`.

@@ -135,6 +135,44 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
     /// Not cancellation-safe (a half-done handshake cannot be resumed); wrap it in a timeout
     /// and drop the connection if it fires.
     pub async fn handshake(&mut self) -> Result<StartupParams, PqError> {
+        let (params, user) = self.startup().await?;
+        if let Some(secret) = self.config.password.clone() {
+            let p = self.read_password().await?;
+            if !constant_time_eq(&p, &secret) {
+                return Err(self
+                    .reject(ErrorFields::fatal(
+                        sqlstate::INVALID_PASSWORD,
+                        format!("password authentication failed for user \"{user}\""),
+                    ))
+                    .await);
+            }
+        }
+        self.finish_startup(&params).await?;
+        Ok(params)
+    }
+
+    /// Like [`Self::handshake`], but always asks for a cleartext password and lets `check`
+    /// decide (a JWT, say): `Ok(t)` authenticates the connection and `t` (what the password
+    /// proved, e.g. its claims) is returned with the parameters; `Err(fields)` is sent as a
+    /// FATAL ErrorResponse and the handshake fails with [`PqError::Rejected`].
+    /// `config.password` is not used. Not cancellation-safe, as [`Self::handshake`].
+    pub async fn handshake_with_password<T>(
+        &mut self,
+        check: impl FnOnce(&StartupParams, &[u8]) -> Result<T, ErrorFields>,
+    ) -> Result<(StartupParams, T), PqError> {
+        let (params, _user) = self.startup().await?;
+        let password = self.read_password().await?;
+        let proved = match check(&params, &password) {
+            Ok(t) => t,
+            Err(e) => return Err(self.reject(e).await),
+        };
+        self.finish_startup(&params).await?;
+        Ok((params, proved))
+    }
+
+    /// The startup phase up to authentication: encryption requests, the StartupMessage and its
+    /// checks. Returns the parameters and the user name.
+    async fn startup(&mut self) -> Result<(StartupParams, String), PqError> {
         let mut negotiations = 0;
         let limit = self.config.max_startup_message_size;
         let (minor_version, params) = loop {
@@ -245,41 +283,36 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
             }
         }
 
-        if let Some(secret) = self.config.password.clone() {
-            self.write_message(&BackendMessage::Authentication(
-                Authentication::CleartextPassword,
-            ));
-            self.flush().await?;
-            // Not yet authenticated: the password is held to the startup limit too.
-            let password = read_frontend(&mut self.stream, &mut self.read_buf, limit).await;
-            let password = match password {
-                Err(PqError::Protocol(e)) => return Err(self.reject(e.to_error_fields()).await),
-                other => other?,
-            };
-            match password {
-                Some(FrontendMessage::Password(p)) => {
-                    if !constant_time_eq(&p, &secret) {
-                        return Err(self
-                            .reject(ErrorFields::fatal(
-                                sqlstate::INVALID_PASSWORD,
-                                format!("password authentication failed for user \"{user}\""),
-                            ))
-                            .await);
-                    }
-                }
-                // libpq closes and reconnects once it has asked the user for a password.
-                None => return Err(PqError::ConnectionClosed),
-                Some(other) => {
-                    return Err(self
-                        .reject(ErrorFields::fatal(
-                            sqlstate::PROTOCOL_VIOLATION,
-                            format!("expected password response, got {}", msg_name(&other)),
-                        ))
-                        .await);
-                }
-            }
-        }
+        Ok((params, user))
+    }
 
+    /// Asks for a cleartext password and reads it, held to the pre-authentication size limit.
+    async fn read_password(&mut self) -> Result<Bytes, PqError> {
+        self.write_message(&BackendMessage::Authentication(
+            Authentication::CleartextPassword,
+        ));
+        self.flush().await?;
+        let limit = self.config.max_startup_message_size;
+        let password = match read_frontend(&mut self.stream, &mut self.read_buf, limit).await {
+            Err(PqError::Protocol(e)) => return Err(self.reject(e.to_error_fields()).await),
+            other => other?,
+        };
+        match password {
+            Some(FrontendMessage::Password(p)) => Ok(p),
+            // libpq closes and reconnects once it has asked the user for a password.
+            None => Err(PqError::ConnectionClosed),
+            Some(other) => Err(self
+                .reject(ErrorFields::fatal(
+                    sqlstate::PROTOCOL_VIOLATION,
+                    format!("expected password response, got {}", msg_name(&other)),
+                ))
+                .await),
+        }
+    }
+
+    /// AuthenticationOk, the ParameterStatus values clients need, BackendKeyData and
+    /// ReadyForQuery.
+    async fn finish_startup(&mut self, params: &StartupParams) -> Result<(), PqError> {
         self.write_message(&BackendMessage::Authentication(Authentication::Ok));
         let version = self.config.server_version.clone();
         for (name, value) in [
@@ -303,7 +336,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
         });
         self.write_message(&BackendMessage::ReadyForQuery(TransactionStatus::Idle));
         self.flush().await?;
-        Ok(params)
+        Ok(())
     }
 
     /// Sends a FATAL error (best effort: the client may be gone) and returns the error to give
