@@ -54,6 +54,16 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_AUTH_OPS_ROUTES")]
     pub auth_ops_routes: bool,
 
+    /// TLS certificate chain (PEM). With --tls-key, both ports require TLS: the PostgreSQL
+    /// port answers SSLRequest `S` (and refuses clients that do not ask), HTTP becomes HTTPS.
+    /// Reloaded on SIGHUP.
+    #[arg(long, env = "SAFEKEEPER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// TLS private key (PEM) of --tls-cert.
+    #[arg(long, env = "SAFEKEEPER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
     /// Most PostgreSQL-protocol connections served at once; more are refused with
     /// PostgreSQL's "too many connections" error (SQLSTATE 53300).
     #[arg(long, env = "SAFEKEEPER_MAX_CONNECTIONS", default_value_t = 256,
@@ -124,6 +134,8 @@ impl Conf {
             no_sync: false,
             pg_auth_token_file: None,
             auth_public_key_path: None,
+            tls_cert: None,
+            tls_key: None,
             allow_no_auth: false,
             auth_ops_routes: false,
             max_connections: 256,

@@ -21,6 +21,7 @@ use tokio_util::task::TaskTracker;
 use crate::auth::JwtAuth;
 use crate::config::{Conf, read_secret_file};
 use crate::registry::{GlobalTimelines, TimelineCollector};
+use crate::tls::TlsConfig;
 use crate::wal_service::WalServiceConf;
 use crate::{http, wal_service};
 use pq_proto::server::ServerConfig;
@@ -181,6 +182,11 @@ pub async fn run(
         Some(path) => Some(Arc::new(JwtAuth::load(path)?)),
         None => None,
     };
+    let tls = match (&conf.tls_cert, &conf.tls_key) {
+        (Some(cert), Some(key)) => Some(Arc::new(TlsConfig::load(cert, key)?)),
+        (None, None) => None,
+        _ => bail!("--tls-cert and --tls-key go together"),
+    };
     conf.check_open_binding()?;
     let lock = DataDirLock::acquire(&conf.datadir)?;
     let pg_conf = WalServiceConf {
@@ -192,6 +198,7 @@ pub async fn run(
         idle_timeout: conf.pg_idle_timeout,
         handshake_timeout: conf.handshake_timeout,
         auth: auth.clone(),
+        tls: tls.clone(),
     };
     let timelines = {
         let (datadir, node_id, no_sync) = (conf.datadir.clone(), conf.node_id(), conf.no_sync);
@@ -231,7 +238,7 @@ pub async fn run(
     let cancel = CancellationToken::new();
     let tasks = TaskTracker::new();
     let manager = tokio::spawn(timelines.clone().run_manager(cancel.clone()));
-    let reloader = tokio::spawn(reload_on_sighup(auth.clone(), cancel.clone()));
+    let reloader = tokio::spawn(reload_on_sighup(auth.clone(), tls.clone(), cancel.clone()));
     let pg = tokio::spawn(wal_service::run(
         listeners.pg,
         timelines.clone(),
@@ -239,6 +246,7 @@ pub async fn run(
         cancel.clone(),
         tasks.clone(),
     ));
+    let handshake_timeout = conf.handshake_timeout;
     let state = Arc::new(http::AppState {
         conf,
         started: Instant::now(),
@@ -247,11 +255,13 @@ pub async fn run(
         auth,
     });
     let http_cancel = cancel.clone();
-    let http = tokio::spawn(
-        axum::serve(listeners.http, http::app(state))
-            .with_graceful_shutdown(async move { http_cancel.cancelled().await })
-            .into_future(),
-    );
+    let http = tokio::spawn(http::serve(
+        listeners.http,
+        http::app(state),
+        tls.clone(),
+        handshake_timeout,
+        http_cancel,
+    ));
 
     shutdown.await;
     cancel.cancel();
@@ -278,7 +288,11 @@ pub async fn run(
 }
 
 /// Reloads the JWT keys on every SIGHUP until `cancel` (a failed reload keeps the old keys).
-async fn reload_on_sighup(auth: Option<Arc<JwtAuth>>, cancel: CancellationToken) {
+async fn reload_on_sighup(
+    auth: Option<Arc<JwtAuth>>,
+    tls: Option<Arc<TlsConfig>>,
+    cancel: CancellationToken,
+) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hup = match signal(SignalKind::hangup()) {
         Ok(h) => h,
@@ -292,7 +306,17 @@ async fn reload_on_sighup(auth: Option<Arc<JwtAuth>>, cancel: CancellationToken)
             _ = hup.recv() => {}
             _ = cancel.cancelled() => return,
         }
-        tracing::info!("SIGHUP received, reloading keys");
+        tracing::info!("SIGHUP received, reloading keys and certificates");
+        if let Some(tls) = &tls {
+            match tls.reload() {
+                Ok(()) => {
+                    tracing::info!(cert = %tls.cert_path().display(), "TLS certificate reloaded")
+                }
+                Err(e) => tracing::error!(
+                    "reloading the TLS certificate (the old one stays in force): {e:#}"
+                ),
+            }
+        }
         if let Some(auth) = &auth {
             match auth.reload() {
                 Ok(n) => {

@@ -3,10 +3,12 @@
 //! [`app`] builds the whole router over an [`AppState`] (axum's state pattern: the daemon builds
 //! the state, the router only reads it), so tests can call it without a socket.
 //!
-//! Not here: starting and stopping the server ([`crate::daemon`]).
+//! [`serve`] runs it over HTTP or HTTPS.
+//!
+//! Not here: binding, and when to stop ([`crate::daemon`]).
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::error_handling::HandleErrorLayer;
 use axum::extract::rejection::RawPathParamsRejection;
@@ -16,7 +18,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tower::limit::GlobalConcurrencyLimitLayer;
 use tower::load_shed::LoadShedLayer;
 use tower::{BoxError, ServiceBuilder};
@@ -25,6 +32,7 @@ use crate::auth::{AuthError, JwtAuth, check_permission};
 use crate::config::Conf;
 use crate::registry::GlobalTimelines;
 use crate::timeline::{TimelineError, TimelineStatus};
+use crate::tls::TlsConfig;
 use sk_core::types::{TenantId, TenantTimelineId};
 
 /// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
@@ -225,6 +233,76 @@ fn limited(router: Router, max: usize, class: &'static str) -> Router {
             .layer(LoadShedLayer::new())
             .layer(GlobalConcurrencyLimitLayer::new(max)),
     )
+}
+
+/// Serves `app` on `listener` until `cancel`. Plain HTTP goes through `axum::serve`; with
+/// `tls`, HTTPS: each connection's TLS handshake runs on its own task within
+/// `handshake_timeout` (the current certificate of a reloadable [`TlsConfig`]), then hyper's
+/// HTTP/1.1 with the same limit on reading a request's headers. On `cancel` connections finish
+/// their requests (graceful shutdown).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    tls: Option<Arc<TlsConfig>>,
+    handshake_timeout: Duration,
+    cancel: CancellationToken,
+) -> std::io::Result<()> {
+    let Some(tls) = tls else {
+        return axum::serve(listener, app)
+            .with_graceful_shutdown(async move { cancel.cancelled().await })
+            .await;
+    };
+    let tasks = TaskTracker::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!("accepting an HTTPS connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = cancel.cancelled() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let acceptor = tls.acceptor();
+        let app = app.clone();
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            let stream =
+                match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, "TLS handshake failed: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "TLS handshake timed out");
+                        return;
+                    }
+                };
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(handshake_timeout)
+                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+            let mut conn = std::pin::pin!(conn);
+            let result = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = cancel.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = result {
+                tracing::debug!(%peer, "HTTPS connection: {e}");
+            }
+        });
+    }
+    tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(4), tasks.wait()).await;
+    Ok(())
 }
 
 #[derive(Serialize)]

@@ -27,5 +27,6 @@ pub mod send_wal;
 #[cfg(test)]
 mod test_util;
 pub mod timeline;
+pub mod tls;
 pub mod wal_service;
 pub mod wal_store;

@@ -12,7 +12,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -25,12 +24,16 @@ use crate::receive_wal::handle_wal_push;
 use crate::registry::GlobalTimelines;
 use crate::send_wal::{StreamEnd, handle_start_replication};
 use crate::timeline::Timeline;
+use crate::tls::TlsConfig;
 use pq_proto::PqError;
 use pq_proto::backend::FieldDescription;
 use pq_proto::frontend::StartupParams;
 use pq_proto::server::{ServerConfig, ServerConn};
+use pq_proto::stream::MaybeTls;
 use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
 use sk_core::types::TenantTimelineId;
+use tokio::net::TcpStream;
+use tokio_rustls::server::TlsStream;
 
 /// How the listener serves connections: protocol settings and limits.
 #[derive(Clone, Debug)]
@@ -47,6 +50,9 @@ pub struct WalServiceConf {
     /// JWT keys: with them the password must be a token whose scope covers the timelines the
     /// connection touches. `None`: `server.password` or trust.
     pub auth: Option<Arc<JwtAuth>>,
+    /// TLS (`--tls-cert`/`--tls-key`): when set, it is required: a client must send an
+    /// SSLRequest first (`sslmode=require` or stronger); others are refused with 28000.
+    pub tls: Option<Arc<TlsConfig>>,
 }
 
 impl Default for WalServiceConf {
@@ -57,6 +63,7 @@ impl Default for WalServiceConf {
             idle_timeout: Duration::from_secs(600),
             handshake_timeout: Duration::from_secs(30),
             auth: None,
+            tls: None,
         }
     }
 }
@@ -113,37 +120,40 @@ pub async fn run(
     }
 }
 
-async fn handle_connection<S>(
-    stream: S,
+/// A connection's stream: the socket under the idle timeout, plain or TLS.
+type ConnStream = MaybeTls<IdleTimeout<TcpStream>, Box<TlsStream<IdleTimeout<TcpStream>>>>;
+
+async fn handle_connection(
+    stream: IdleTimeout<TcpStream>,
     timelines: Arc<GlobalTimelines>,
     conf: &WalServiceConf,
     shutdown: CancellationToken,
-) -> Result<(), PqError>
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let mut conn = ServerConn::new(stream, conf.server.clone());
+) -> Result<(), PqError> {
+    // Encryption, startup and authentication, all under the handshake timeout.
     let handshake = async {
-        match &conf.auth {
-            None => conn.handshake().await.map(|p| (p, None)),
+        let mut conn = negotiate_tls(stream, conf).await?;
+        let (params, claims) = match &conf.auth {
+            None => conn.handshake().await.map(|p| (p, None))?,
             Some(auth) => conn
                 .handshake_with_password(|params, pw| authenticate(auth, params, pw))
                 .await
-                .map(|(p, claims)| (p, Some(claims))),
-        }
+                .map(|(p, claims)| (p, Some(claims)))?,
+        };
+        Ok::<_, PqError>((conn, params, claims))
     };
-    let (params, claims) = match tokio::time::timeout(conf.handshake_timeout, handshake).await {
-        Ok(r) => r?,
-        Err(_) => {
-            return Err(PqError::Io(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "the startup handshake took longer than {:?} (--handshake-timeout)",
-                    conf.handshake_timeout
-                ),
-            )));
-        }
-    };
+    let (mut conn, params, claims) =
+        match tokio::time::timeout(conf.handshake_timeout, handshake).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(PqError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the startup handshake took longer than {:?} (--handshake-timeout)",
+                        conf.handshake_timeout
+                    ),
+                )));
+            }
+        };
     let appname = params.application_name().unwrap_or("").to_string();
     let options = match parse_options(params.get("options").unwrap_or("")) {
         Ok(o) => o,
@@ -389,6 +399,32 @@ where
             Ok(None)
         }
     }
+}
+
+/// With TLS configured: the client's SSLRequest is answered `S` and the TLS handshake run;
+/// a client that does not ask (sslmode=disable) is refused with FATAL 28000. Without TLS the
+/// stream stays plain (and an SSLRequest is answered `N` by the handshake).
+async fn negotiate_tls(
+    stream: IdleTimeout<TcpStream>,
+    conf: &WalServiceConf,
+) -> Result<ServerConn<ConnStream>, PqError> {
+    let mut conn = ServerConn::new(stream, conf.server.clone());
+    let Some(tls) = &conf.tls else {
+        return Ok(conn.map_stream(MaybeTls::Plain));
+    };
+    if !conn.accept_ssl_request().await? {
+        let e = ErrorFields::fatal(
+            sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+            "this safekeeper requires TLS: connect with sslmode=require or verify-full",
+        );
+        conn.send_fatal(e.clone()).await?;
+        return Err(PqError::Rejected(e));
+    }
+    let tls_stream = tls.acceptor().accept(conn.into_inner()).await?;
+    Ok(ServerConn::new(
+        MaybeTls::Tls(Box::new(tls_stream)),
+        conf.server.clone(),
+    ))
 }
 
 /// Checks the password of a connection as a JWT: valid, and, when the startup options name a

@@ -27,7 +27,10 @@ use crate::backend::{
 };
 use crate::error::{ErrorFields, ProtocolError, sqlstate};
 use crate::framing::DEFAULT_MAX_MESSAGE_SIZE;
-use crate::frontend::{FrontendMessage, StartupPacket, StartupParams, decode_startup};
+use crate::frontend::{
+    FrontendMessage, GSSENC_REQUEST_CODE, SSL_REQUEST_CODE, StartupPacket, StartupParams,
+    decode_startup,
+};
 use crate::io::{flush_buf, read_frame, read_frontend};
 use crate::replication::{ReplicationMessage, xlog_data_header};
 
@@ -124,6 +127,73 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
             read_buf: BytesMut::with_capacity(8192),
             write_buf: BytesMut::with_capacity(8192),
             config,
+        }
+    }
+
+    /// On a server that offers TLS, before [`Self::handshake`]: reads the client's first packet.
+    /// An SSLRequest is answered `S` and `true` is returned: the caller runs the TLS handshake
+    /// over [`Self::into_inner`] and starts a new connection over the TLS stream. A
+    /// GSSENCRequest is answered `N` and the next packet read. Anything else (a startup packet)
+    /// stays buffered for [`Self::handshake`], and `false` is returned. Bytes sent after an
+    /// SSLRequest before our answer are refused (they would bypass the encryption).
+    ///
+    /// Not cancellation-safe; run it under the handshake's timeout.
+    pub async fn accept_ssl_request(&mut self) -> Result<bool, PqError> {
+        use tokio::io::AsyncReadExt;
+        for _ in 0..3 {
+            while self.read_buf.len() < 8 {
+                if self.stream.read_buf(&mut self.read_buf).await? == 0 {
+                    return Err(PqError::ConnectionClosed);
+                }
+            }
+            let len = u32::from_be_bytes([
+                self.read_buf[0],
+                self.read_buf[1],
+                self.read_buf[2],
+                self.read_buf[3],
+            ]);
+            let code = u32::from_be_bytes([
+                self.read_buf[4],
+                self.read_buf[5],
+                self.read_buf[6],
+                self.read_buf[7],
+            ]);
+            if len != 8 || (code != SSL_REQUEST_CODE && code != GSSENC_REQUEST_CODE) {
+                return Ok(false);
+            }
+            let _ = self.read_buf.split_to(8);
+            if !self.read_buf.is_empty() {
+                return Err(self
+                    .reject(ErrorFields::fatal(
+                        sqlstate::PROTOCOL_VIOLATION,
+                        "received unencrypted data after an encryption request",
+                    ))
+                    .await);
+            }
+            if code == SSL_REQUEST_CODE {
+                self.write_buf.extend_from_slice(b"S");
+                flush_buf(&mut self.stream, &mut self.write_buf).await?;
+                return Ok(true);
+            }
+            self.write_buf.extend_from_slice(b"N");
+            flush_buf(&mut self.stream, &mut self.write_buf).await?;
+        }
+        Err(self
+            .reject(ErrorFields::fatal(
+                sqlstate::PROTOCOL_VIOLATION,
+                "too many encryption negotiation requests",
+            ))
+            .await)
+    }
+
+    /// The same connection over another stream type (e.g. wrapped in an enum), keeping what is
+    /// buffered.
+    pub fn map_stream<T>(self, f: impl FnOnce(S) -> T) -> ServerConn<T> {
+        ServerConn {
+            stream: f(self.stream),
+            read_buf: self.read_buf,
+            write_buf: self.write_buf,
+            config: self.config,
         }
     }
 

@@ -60,6 +60,13 @@ struct Args {
     /// value shows in `ps`.
     #[arg(long, env = "WALPROPOSER_AUTH_TOKEN", hide_env_values = true)]
     auth_token: Option<String>,
+    /// TLS to the safekeepers, as libpq's sslmode: disable, require (encrypted, certificate not
+    /// checked) or verify-full (the certificate must chain to --sslrootcert and name the host).
+    #[arg(long, value_enum, default_value = "disable")]
+    sslmode: walproposer::tls::SslMode,
+    /// CA certificates (PEM) for --sslmode verify-full.
+    #[arg(long)]
+    sslrootcert: Option<std::path::PathBuf>,
     /// A file holding the token (see --auth-token); an unreadable or empty file is an error.
     #[arg(
         long,
@@ -200,12 +207,14 @@ fn auth_token(args: &Args) -> anyhow::Result<Option<String>> {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let token = auth_token(&args)?;
+    let tls = walproposer::tls::ClientTls::new(args.sslmode, args.sslrootcert.as_deref())?;
     let safekeepers = args
         .safekeepers
         .iter()
         .map(|s| {
             SafekeeperAddr::parse(s).map(|mut a| {
                 a.password = token.clone();
+                a.tls = tls.clone();
                 a
             })
         })
