@@ -1,10 +1,13 @@
 //! The daemon's configuration: command-line flags, each with an environment-variable override.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use anyhow::{Context, bail};
 use clap::Parser;
 
+use crate::limits::parse_duration;
 use sk_core::types::NodeId;
 
 /// mini-safekeeper: accepts PostgreSQL WAL from a proposer (neon's safekeeper protocol v3),
@@ -33,6 +36,57 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_PG_AUTH_TOKEN_FILE")]
     pub pg_auth_token_file: Option<PathBuf>,
 
+    /// Ed25519 public keys that tokens are checked against (neon's JWT auth): a PEM file, or a
+    /// directory of them; reloaded on SIGHUP. With keys, the PostgreSQL port takes a token as
+    /// the password and HTTP as `Authorization: Bearer`. Without, the daemon is open and may
+    /// listen on loopback addresses only (unless --allow-no-auth).
+    #[arg(long, env = "SAFEKEEPER_AUTH_PUBLIC_KEY_PATH")]
+    pub auth_public_key_path: Option<PathBuf>,
+
+    /// Allow listening on a non-loopback address without --auth-public-key-path: anyone who can
+    /// reach the ports can read and write every timeline.
+    #[arg(long, env = "SAFEKEEPER_ALLOW_NO_AUTH")]
+    pub allow_no_auth: bool,
+
+    /// With --auth-public-key-path, require a token (scope safekeeperdata) on /v1/status,
+    /// /metrics and /profile/* too. By default they stay open, as in neon, for scrapers and
+    /// profilers.
+    #[arg(long, env = "SAFEKEEPER_AUTH_OPS_ROUTES")]
+    pub auth_ops_routes: bool,
+
+    /// TLS certificate chain (PEM). With --tls-key, both ports require TLS: the PostgreSQL
+    /// port answers SSLRequest `S` (and refuses clients that do not ask), HTTP becomes HTTPS.
+    /// Reloaded on SIGHUP.
+    #[arg(long, env = "SAFEKEEPER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// TLS private key (PEM) of --tls-cert.
+    #[arg(long, env = "SAFEKEEPER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Most PostgreSQL-protocol connections served at once; more are refused with
+    /// PostgreSQL's "too many connections" error (SQLSTATE 53300).
+    #[arg(long, env = "SAFEKEEPER_MAX_CONNECTIONS", default_value_t = 256,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_connections: usize,
+
+    /// A PostgreSQL-protocol connection on which no byte arrives, or none is accepted, for this
+    /// long is closed, streaming ones included (proposers send a heartbeat every second,
+    /// readers feedback every 10 s). `500ms`, `30s`, `10m`, `2h`.
+    #[arg(long, env = "SAFEKEEPER_PG_IDLE_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub pg_idle_timeout: Duration,
+
+    /// Time a client of the PostgreSQL port has to finish the startup handshake (encryption,
+    /// startup packet, password).
+    #[arg(long, env = "SAFEKEEPER_HANDSHAKE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub handshake_timeout: Duration,
+
+    /// Most HTTP requests in progress at once in each route class (data routes; status,
+    /// metrics and profiles); more get 503.
+    #[arg(long, env = "SAFEKEEPER_HTTP_MAX_CONCURRENT_REQUESTS", default_value_t = 128,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub http_max_concurrent_requests: usize,
+
     /// Skip every fsync. Only for tests and benchmarks: a crash can lose acknowledged WAL.
     #[arg(long, env = "SAFEKEEPER_NO_SYNC")]
     pub no_sync: bool,
@@ -41,6 +95,12 @@ pub struct Conf {
     /// object per line; a timeline's lines carry its ids under `span`).
     #[arg(long, env = "SAFEKEEPER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    /// Serve the test-only HTTP routes (failpoints, debug memory). Not a flag: only the
+    /// `safekeeper-testing` binary (built with the `testing` feature) sets it; without that
+    /// feature the routes are not compiled at all.
+    #[arg(skip)]
+    pub test_hooks: bool,
 }
 
 /// How log lines are written (`--log-format`).
@@ -59,6 +119,25 @@ impl Conf {
         NodeId(self.id)
     }
 
+    /// Refuses to listen beyond loopback without authentication, unless --allow-no-auth.
+    pub fn check_open_binding(&self) -> anyhow::Result<()> {
+        if self.auth_public_key_path.is_some() || self.allow_no_auth {
+            return Ok(());
+        }
+        for (flag, addr) in [
+            ("--listen-pg", self.listen_pg),
+            ("--listen-http", self.listen_http),
+        ] {
+            if !addr.ip().is_loopback() {
+                bail!(
+                    "{flag} {addr} is not a loopback address and authentication is off: give \
+                     --auth-public-key-path, or --allow-no-auth to serve it open"
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// A configuration with defaults for `datadir`, listening on ephemeral loopback ports (for
     /// tests).
     pub fn for_tests(datadir: PathBuf) -> Conf {
@@ -69,7 +148,58 @@ impl Conf {
             listen_http: "127.0.0.1:0".parse().expect("valid address"),
             no_sync: false,
             pg_auth_token_file: None,
+            auth_public_key_path: None,
+            tls_cert: None,
+            tls_key: None,
+            allow_no_auth: false,
+            auth_ops_routes: false,
+            max_connections: 256,
+            pg_idle_timeout: Duration::from_secs(600),
+            handshake_timeout: Duration::from_secs(30),
+            http_max_concurrent_requests: 128,
+            test_hooks: false,
             log_format: LogFormat::Text,
         }
+    }
+}
+
+/// Reads a key, token or certificate file given with `flag`. An unreadable file, or one that is
+/// empty or only whitespace, is an error naming the flag and the file: a daemon never starts
+/// with an empty secret (an empty shared secret would make the empty password valid).
+pub fn read_secret_file(flag: &str, path: &Path) -> anyhow::Result<Vec<u8>> {
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("{flag} {}: cannot read the file", path.display()))?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        bail!("{flag} {}: the file is empty", path.display());
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_or_unreadable_secret_files_are_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, " \n").unwrap();
+        let err = format!("{:#}", read_secret_file("--x", &empty).unwrap_err());
+        assert!(
+            err.contains("--x") && err.contains(&*empty.to_string_lossy()),
+            "{err}"
+        );
+        assert!(err.contains("empty"), "{err}");
+        let missing = dir.path().join("missing");
+        let err = format!("{:#}", read_secret_file("--x", &missing).unwrap_err());
+        assert!(
+            err.contains(&*missing.to_string_lossy()) && err.contains("cannot read"),
+            "{err}"
+        );
+        // A directory is not a readable file either.
+        let err = format!("{:#}", read_secret_file("--x", dir.path()).unwrap_err());
+        assert!(err.contains("cannot read"), "{err}");
+        std::fs::write(&empty, "s3cret\n").unwrap();
+        assert_eq!(read_secret_file("--x", &empty).unwrap(), b"s3cret\n");
     }
 }

@@ -1,8 +1,9 @@
 //! Running the daemon: lock the data directory, bind the listeners, serve until shut down.
 //!
-//! The binary (`src/bin/safekeeper.rs`) only parses flags, sets up tracing and the allocator,
-//! and calls [`run`]. Tests call [`bind`] and [`run`] with ephemeral ports and their own shutdown
-//! future.
+//! The binaries (`src/bin/safekeeper.rs`, and `src/bin/safekeeper-testing.rs` with the test
+//! hooks on) set up the allocator and call [`main`], which parses flags, sets up tracing and the
+//! runtime and calls [`run`]. Tests call [`bind`] and [`run`] with ephemeral ports and their own
+//! shutdown future.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::future::Future;
@@ -17,10 +18,56 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Conf;
+use crate::auth::JwtAuth;
+use crate::config::{Conf, read_secret_file};
 use crate::registry::{GlobalTimelines, TimelineCollector};
+use crate::tls::TlsConfig;
+use crate::wal_service::WalServiceConf;
 use crate::{http, wal_service};
 use pq_proto::server::ServerConfig;
+
+/// Whether a binary serves the test-only HTTP routes (failpoints, debug memory). Only the
+/// `safekeeper-testing` binary, built with the `testing` feature, passes [`TestHooks::On`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TestHooks {
+    /// The real daemon: test-only routes answer 404.
+    Off,
+    /// The test build: failpoints and debug routes are served.
+    On,
+}
+
+/// The body of a safekeeper binary: flags, tracing, a multi-threaded runtime, [`bind`] and
+/// [`run`] until SIGTERM or SIGINT; exits 1 with the error on failure.
+pub fn main(hooks: TestHooks) {
+    use clap::Parser;
+    let mut conf = Conf::parse();
+    conf.test_hooks = hooks == TestHooks::On;
+    crate::logging::init(conf.log_format);
+    if conf.test_hooks {
+        tracing::warn!(
+            "test build: PUT /v1/failpoints and /v1/debug/* are served; never run this binary \
+             in production"
+        );
+    }
+    // Before any other thread exists: see profiling::warm_up.
+    profiling::warm_up();
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("safekeeper-worker")
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|runtime| {
+            runtime.block_on(async move {
+                let listeners = bind(&conf).await?;
+                run(conf, listeners, shutdown_signal()).await
+            })
+        });
+    if let Err(e) = result {
+        tracing::error!("{e:#}");
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
 
 /// Name of the lock file inside the data directory.
 pub const LOCK_FILE: &str = "safekeeper.lock";
@@ -97,6 +144,7 @@ impl Listeners {
 
 /// Binds every listener the configuration names.
 pub async fn bind(conf: &Conf) -> anyhow::Result<Listeners> {
+    conf.check_open_binding()?;
     let http = TcpListener::bind(conf.listen_http)
         .await
         .with_context(|| format!("binding the HTTP listener on {}", conf.listen_http))?;
@@ -116,19 +164,36 @@ pub async fn run(
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    // Secrets first: an unreadable or empty file stops start-up, naming the file.
+    let password = match &conf.pg_auth_token_file {
+        Some(path) => {
+            let mut secret = read_secret_file("--pg-auth-token-file", path)?;
+            secret.truncate(secret.trim_ascii_end().len());
+            Some(secret)
+        }
+        None => None,
+    };
+    let auth = match &conf.auth_public_key_path {
+        Some(path) => Some(Arc::new(JwtAuth::load(path)?)),
+        None => None,
+    };
+    let tls = match (&conf.tls_cert, &conf.tls_key) {
+        (Some(cert), Some(key)) => Some(Arc::new(TlsConfig::load(cert, key)?)),
+        (None, None) => None,
+        _ => bail!("--tls-cert and --tls-key go together"),
+    };
+    conf.check_open_binding()?;
     let lock = DataDirLock::acquire(&conf.datadir)?;
-    let server_config = ServerConfig {
-        password: match &conf.pg_auth_token_file {
-            Some(path) => Some(
-                std::fs::read_to_string(path)
-                    .with_context(|| format!("reading --pg-auth-token-file {}", path.display()))?
-                    .trim_end_matches(['\n', '\r'])
-                    .as_bytes()
-                    .to_vec(),
-            ),
-            None => None,
+    let pg_conf = WalServiceConf {
+        server: ServerConfig {
+            password,
+            ..ServerConfig::default()
         },
-        ..ServerConfig::default()
+        max_connections: conf.max_connections,
+        idle_timeout: conf.pg_idle_timeout,
+        handshake_timeout: conf.handshake_timeout,
+        auth: auth.clone(),
+        tls: tls.clone(),
     };
     let timelines = {
         let (datadir, node_id, no_sync) = (conf.datadir.clone(), conf.node_id(), conf.no_sync);
@@ -149,29 +214,49 @@ pub async fn run(
         no_sync = conf.no_sync,
         "safekeeper started"
     );
+    match &auth {
+        Some(a) => tracing::info!(
+            keys = %a.path().display(),
+            ops_routes_open = !conf.auth_ops_routes,
+            "JWT authentication on both ports"
+        ),
+        None if conf.allow_no_auth => tracing::warn!(
+            "authentication is OFF (--allow-no-auth): anyone who reaches the ports can read and \
+             write every timeline"
+        ),
+        None => tracing::warn!(
+            "authentication is off: serving loopback only (give --auth-public-key-path to \
+             require tokens)"
+        ),
+    }
 
     let cancel = CancellationToken::new();
     let tasks = TaskTracker::new();
     let manager = tokio::spawn(timelines.clone().run_manager(cancel.clone()));
+    let reloader = tokio::spawn(reload_on_sighup(auth.clone(), tls.clone(), cancel.clone()));
     let pg = tokio::spawn(wal_service::run(
         listeners.pg,
         timelines.clone(),
-        server_config,
+        pg_conf,
         cancel.clone(),
         tasks.clone(),
     ));
+    let handshake_timeout = conf.handshake_timeout;
     let state = Arc::new(http::AppState {
         conf,
         started: Instant::now(),
         started_at: SystemTime::now(),
         timelines: timelines.clone(),
+        auth,
     });
     let http_cancel = cancel.clone();
-    let http = tokio::spawn(
-        axum::serve(listeners.http, http::app(state))
-            .with_graceful_shutdown(async move { http_cancel.cancelled().await })
-            .into_future(),
-    );
+    let http = tokio::spawn(http::serve(
+        listeners.http,
+        http::app(state),
+        tls.clone(),
+        handshake_timeout,
+        http_cancel,
+    ));
 
     shutdown.await;
     cancel.cancel();
@@ -184,6 +269,7 @@ pub async fn run(
         tracing::warn!("connections did not finish within {SHUTDOWN_GRACE:?}");
     }
     let _ = manager.await;
+    let _ = reloader.await;
     tokio::task::spawn_blocking(move || timelines.persist_all())
         .await
         .context("persisting timelines")?;
@@ -194,6 +280,47 @@ pub async fn run(
     }
     tracing::info!(lock = %lock.path().display(), "safekeeper stopped");
     Ok(())
+}
+
+/// Reloads the JWT keys on every SIGHUP until `cancel` (a failed reload keeps the old keys).
+async fn reload_on_sighup(
+    auth: Option<Arc<JwtAuth>>,
+    tls: Option<Arc<TlsConfig>>,
+    cancel: CancellationToken,
+) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!("installing the SIGHUP handler: {e}");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = hup.recv() => {}
+            _ = cancel.cancelled() => return,
+        }
+        tracing::info!("SIGHUP received, reloading keys and certificates");
+        if let Some(tls) = &tls {
+            match tls.reload() {
+                Ok(()) => {
+                    tracing::info!(cert = %tls.cert_path().display(), "TLS certificate reloaded")
+                }
+                Err(e) => tracing::error!(
+                    "reloading the TLS certificate (the old one stays in force): {e:#}"
+                ),
+            }
+        }
+        if let Some(auth) = &auth {
+            match auth.reload() {
+                Ok(n) => {
+                    tracing::info!(keys = n, path = %auth.path().display(), "JWT keys reloaded")
+                }
+                Err(e) => tracing::error!("reloading JWT keys (the old ones stay in force): {e:#}"),
+            }
+        }
+    }
 }
 
 /// Resolves on the first SIGTERM or SIGINT.

@@ -3,22 +3,37 @@
 //! [`app`] builds the whole router over an [`AppState`] (axum's state pattern: the daemon builds
 //! the state, the router only reads it), so tests can call it without a socket.
 //!
-//! Not here: starting and stopping the server ([`crate::daemon`]).
+//! [`serve`] runs it over HTTP or HTTPS.
+//!
+//! Not here: binding, and when to stop ([`crate::daemon`]).
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
-use axum::extract::{Path, State};
+use axum::error_handling::HandleErrorLayer;
+use axum::extract::rejection::RawPathParamsRejection;
+use axum::extract::{Path, RawPathParams, Request, State};
 use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::limit::GlobalConcurrencyLimitLayer;
+use tower::load_shed::LoadShedLayer;
+use tower::{BoxError, ServiceBuilder};
 
+use crate::auth::{AuthError, JwtAuth, check_permission};
 use crate::config::Conf;
 use crate::registry::GlobalTimelines;
 use crate::timeline::{TimelineError, TimelineStatus};
-use sk_core::types::TenantTimelineId;
+use crate::tls::TlsConfig;
+use sk_core::types::{TenantId, TenantTimelineId};
 
 /// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
 /// generic body (details in the log) for ours.
@@ -27,6 +42,12 @@ pub enum ApiError {
     /// 400: the caller's mistake, with the reason.
     #[error("{0}")]
     BadRequest(String),
+    /// 401: no token, or one that is not valid.
+    #[error("{0}")]
+    Unauthorized(String),
+    /// 403: a valid token that does not grant this.
+    #[error("{0}")]
+    Forbidden(String),
     /// 404: no such object.
     #[error("{0}")]
     NotFound(String),
@@ -49,9 +70,25 @@ impl From<TimelineError> for ApiError {
     }
 }
 
+impl From<AuthError> for ApiError {
+    fn from(e: AuthError) -> ApiError {
+        match e {
+            AuthError::Unauthenticated(m) => ApiError::Unauthorized(m),
+            AuthError::Forbidden(m) => ApiError::Forbidden(m),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match self {
+            ApiError::Unauthorized(m) => (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                format!("{m}\n"),
+            )
+                .into_response(),
+            ApiError::Forbidden(m) => (StatusCode::FORBIDDEN, format!("{m}\n")).into_response(),
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response(),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, format!("{m}\n")).into_response(),
             ApiError::Internal(e) => {
@@ -76,21 +113,196 @@ pub struct AppState {
     pub started_at: SystemTime,
     /// The node's timelines.
     pub timelines: Arc<GlobalTimelines>,
+    /// JWT keys (`--auth-public-key-path`); `None`: no authentication (loopback only).
+    pub auth: Option<Arc<JwtAuth>>,
 }
 
-/// The safekeeper's HTTP router.
+/// The safekeeper's HTTP router: the data routes and the observability routes, each class
+/// with its own concurrent-request limit (`--http-max-concurrent-requests`; excess gets 503)
+/// and its authentication.
+///
+/// A new route goes into the class it belongs to, and being mounted there is all it takes:
+/// - [`data_routes`]: anything that reveals or changes timeline state. With
+///   `--auth-public-key-path` every request needs `Authorization: Bearer <JWT>`: a route whose
+///   path has a `{tenant_id}` parameter accepts scope `safekeeperdata` or a `tenant` token of
+///   that tenant; any other needs `safekeeperdata`. Handlers may read the verified claims as
+///   `Option<Extension<auth::Claims>>`.
+/// - [`ops_routes`]: status, metrics, profiles; open unless `--auth-ops-routes` (then the same
+///   check as data routes).
 pub fn app(state: Arc<AppState>) -> Router {
-    let router = Router::new()
+    let max = state.conf.http_max_concurrent_requests;
+    let auth = state.auth.clone();
+    let data = limited(data_routes(&state).with_state(state.clone()), max, "data");
+    let data = with_auth(data, auth.clone());
+    let ops_auth = if state.conf.auth_ops_routes {
+        auth
+    } else {
+        None
+    };
+    let ops = ops_routes().with_state(state).merge(profiling::router());
+    let ops = with_auth(limited(ops, max, "status, metrics and profile"), ops_auth);
+    data.merge(ops)
+}
+
+/// Requires a token on every route of `router` when `auth` is set ([`require_token`]). Applied
+/// outside the class limit: a request without a valid token takes no slot.
+fn with_auth(router: Router, auth: Option<Arc<JwtAuth>>) -> Router {
+    match auth {
+        Some(auth) => router.route_layer(middleware::from_fn_with_state(auth, require_token)),
+        None => router,
+    }
+}
+
+/// The authentication of a route class: a valid bearer token (401 otherwise) whose scope
+/// covers the route's `tenant_id` path parameter, or the whole safekeeper when the route has
+/// none (403 otherwise). The claims go into the request's extensions.
+async fn require_token(
+    State(auth): State<Arc<JwtAuth>>,
+    params: Result<RawPathParams, RawPathParamsRejection>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .ok_or_else(|| ApiError::Unauthorized("missing Authorization: Bearer <token>".into()))?;
+    let claims = auth.decode(token.trim())?;
+    let tenant = match params
+        .as_ref()
+        .ok()
+        .and_then(|p| p.iter().find(|(k, _)| *k == "tenant_id"))
+    {
+        Some((_, v)) => Some(
+            v.parse::<TenantId>()
+                .map_err(|e| ApiError::BadRequest(e.to_string()))?,
+        ),
+        None => None,
+    };
+    check_permission(&claims, tenant)?;
+    req.extensions_mut().insert(claims);
+    Ok(next.run(req).await)
+}
+
+/// The data routes: timeline state (and, in the test build, the test hooks).
+pub fn data_routes(state: &AppState) -> Router<Arc<AppState>> {
+    let router = Router::new().route("/v1/timelines", get(timelines)).route(
+        "/v1/tenant/{tenant_id}/timeline/{timeline_id}",
+        get(timeline_status),
+    );
+    // Only the `safekeeper-testing` binary mounts these (`Conf::test_hooks`); the real binary
+    // answers 404 even when built with the feature.
+    #[cfg(feature = "testing")]
+    let router = if state.conf.test_hooks {
+        router.merge(testing::routes())
+    } else {
+        router
+    };
+    #[cfg(not(feature = "testing"))]
+    let _ = state;
+    router
+}
+
+/// The observability routes: status and metrics (the profiling crate's routes join them in
+/// [`app`]).
+pub fn ops_routes() -> Router<Arc<AppState>> {
+    Router::new()
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
-        .route("/v1/timelines", get(timelines))
-        .route(
-            "/v1/tenant/{tenant_id}/timeline/{timeline_id}",
-            get(timeline_status),
-        );
-    #[cfg(feature = "testing")]
-    let router = router.merge(testing::routes());
-    router.with_state(state).merge(profiling::router())
+}
+
+/// Applies a route class's concurrent-request limit to every route of `router`: one
+/// semaphore shared by the class (tower's global concurrency limit); a request beyond it is
+/// shed at once with 503 instead of queueing.
+fn limited(router: Router, max: usize, class: &'static str) -> Router {
+    router.route_layer(
+        ServiceBuilder::new()
+            .layer(HandleErrorLayer::new(move |_: BoxError| async move {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "too many {class} requests in progress (--http-max-concurrent-requests); \
+                         retry later\n"
+                    ),
+                )
+            }))
+            .layer(LoadShedLayer::new())
+            .layer(GlobalConcurrencyLimitLayer::new(max)),
+    )
+}
+
+/// Serves `app` on `listener` until `cancel`. Plain HTTP goes through `axum::serve`; with
+/// `tls`, HTTPS: each connection's TLS handshake runs on its own task within
+/// `handshake_timeout` (the current certificate of a reloadable [`TlsConfig`]), then hyper's
+/// HTTP/1.1 with the same limit on reading a request's headers. On `cancel` connections finish
+/// their requests (graceful shutdown).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    tls: Option<Arc<TlsConfig>>,
+    handshake_timeout: Duration,
+    cancel: CancellationToken,
+) -> std::io::Result<()> {
+    let Some(tls) = tls else {
+        return axum::serve(listener, app)
+            .with_graceful_shutdown(async move { cancel.cancelled().await })
+            .await;
+    };
+    let tasks = TaskTracker::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!("accepting an HTTPS connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = cancel.cancelled() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let acceptor = tls.acceptor();
+        let app = app.clone();
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            let stream =
+                match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, "TLS handshake failed: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "TLS handshake timed out");
+                        return;
+                    }
+                };
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(handshake_timeout)
+                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+            let mut conn = std::pin::pin!(conn);
+            let result = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = cancel.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = result {
+                tracing::debug!(%peer, "HTTPS connection: {e}");
+            }
+        });
+    }
+    tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(4), tasks.wait()).await;
+    Ok(())
 }
 
 #[derive(Serialize)]
@@ -151,7 +363,8 @@ async fn metrics() -> Result<Response, ApiError> {
     Ok(([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], out).into_response())
 }
 
-/// Test hooks, compiled only with the `testing` feature.
+/// Test hooks, compiled only with the `testing` feature and mounted only by the
+/// `safekeeper-testing` binary.
 #[cfg(feature = "testing")]
 mod testing {
     use std::collections::HashMap;

@@ -10,14 +10,16 @@
 //!    errors) and [`registry`] (the node's timelines: loading, lookup, creation, metrics);
 //! 3. network and tasks (tokio): [`command`] (neon's replication commands), [`wal_service`] (the
 //!    listener), [`receive_wal`] (the pipelined WAL acceptor), [`send_wal`] (the walsender);
-//! 4. HTTP: [`http`], [`metrics`]; [`config`], [`logging`] and [`daemon`] tie everything
-//!    together.
+//! 4. HTTP: [`http`], [`metrics`]; [`auth`] (JWT scopes, both ports); [`limits`] (connection
+//!    limits, idle timeouts); [`config`], [`logging`] and [`daemon`] tie everything together.
 
+pub mod auth;
 pub mod command;
 pub mod config;
 pub mod control_file;
 pub mod daemon;
 pub mod http;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod receive_wal;
@@ -26,5 +28,6 @@ pub mod send_wal;
 #[cfg(test)]
 mod test_util;
 pub mod timeline;
+pub mod tls;
 pub mod wal_service;
 pub mod wal_store;

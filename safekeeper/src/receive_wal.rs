@@ -23,6 +23,7 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::auth::{Claims, check_permission};
 use crate::metrics;
 use crate::registry::GlobalTimelines;
 use crate::timeline::Timeline;
@@ -86,6 +87,7 @@ pub async fn handle_wal_push<S>(
     mut conn: ServerConn<S>,
     timelines: Arc<GlobalTimelines>,
     conn_ttid: Option<TenantTimelineId>,
+    claims: Option<Claims>,
     proto_version: u32,
     allow_creation: bool,
     shutdown: CancellationToken,
@@ -164,6 +166,16 @@ where
                     greeting.ttid()
                 ),
             ),
+        )
+        .await;
+    }
+    // A tenant token pushes only to its tenant's timelines.
+    if let Some(claims) = &claims
+        && let Err(e) = check_permission(claims, Some(greeting.ttid().tenant_id))
+    {
+        return end_with_error(
+            &mut writer,
+            ErrorFields::error(sqlstate::INVALID_AUTHORIZATION_SPECIFICATION, e.to_string()),
         )
         .await;
     }

@@ -4,41 +4,83 @@
 //! The timeline comes from the startup `options` (`-c tenant_id=… timeline_id=…`, neon's
 //! convention). A reader that names none is served the node's only timeline when there is
 //! exactly one, so a plain `primary_conninfo` works against a single-timeline safekeeper.
+//!
+//! Each connection takes a slot of `--max-connections` (beyond it: FATAL 53300), runs on a
+//! socket with the idle timeout ([`IdleTimeout`]: no byte in or out for `--pg-idle-timeout`
+//! ends it, streaming included), and must finish its handshake within `--handshake-timeout`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::auth::{AuthError, Claims, JwtAuth, Scope, check_permission};
 use crate::command::{ReplicationCommand, parse_command, parse_options};
+use crate::limits::{ConnectionLimit, IdleTimeout};
 use crate::metrics;
 use crate::receive_wal::handle_wal_push;
 use crate::registry::GlobalTimelines;
 use crate::send_wal::{StreamEnd, handle_start_replication};
 use crate::timeline::Timeline;
+use crate::tls::TlsConfig;
 use pq_proto::PqError;
 use pq_proto::backend::FieldDescription;
+use pq_proto::frontend::StartupParams;
 use pq_proto::server::{ServerConfig, ServerConn};
+use pq_proto::stream::MaybeTls;
 use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
 use sk_core::types::TenantTimelineId;
+use tokio::net::TcpStream;
+use tokio_rustls::server::TlsStream;
 
-/// How long a client may take to finish the startup handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a connection may stay silent in query mode.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+/// How the listener serves connections: protocol settings and limits.
+#[derive(Clone, Debug)]
+pub struct WalServiceConf {
+    /// The protocol server's settings (authentication, message size limits).
+    pub server: ServerConfig,
+    /// Most connections served at once; more are refused with SQLSTATE 53300.
+    pub max_connections: usize,
+    /// A connection on which no byte arrives (or none is accepted) for this long is closed,
+    /// in every phase, streaming included.
+    pub idle_timeout: Duration,
+    /// Time a client has to finish the startup handshake.
+    pub handshake_timeout: Duration,
+    /// JWT keys: with them the password must be a token whose scope covers the timelines the
+    /// connection touches. `None`: `server.password` or trust.
+    pub auth: Option<Arc<JwtAuth>>,
+    /// TLS (`--tls-cert`/`--tls-key`): when set, it is required: a client must send an
+    /// SSLRequest first (`sslmode=require` or stronger); others are refused with 28000.
+    pub tls: Option<Arc<TlsConfig>>,
+}
+
+impl Default for WalServiceConf {
+    fn default() -> Self {
+        WalServiceConf {
+            server: ServerConfig::default(),
+            max_connections: 256,
+            idle_timeout: Duration::from_secs(600),
+            handshake_timeout: Duration::from_secs(30),
+            auth: None,
+            tls: None,
+        }
+    }
+}
 
 /// Accepts connections until `shutdown` is cancelled; connection tasks are tracked by `tasks`
-/// so the caller can wait for them to finish.
+/// so the caller can wait for them to finish. Beyond `conf.max_connections`, connections are
+/// refused with PostgreSQL's "too many connections" error.
 pub async fn run(
     listener: TcpListener,
     timelines: Arc<GlobalTimelines>,
-    config: ServerConfig,
+    conf: WalServiceConf,
     shutdown: CancellationToken,
     tasks: TaskTracker,
 ) {
+    let limit = ConnectionLimit::new(conf.max_connections);
+    let conf = Arc::new(conf);
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -54,11 +96,21 @@ pub async fn run(
             }
         };
         let _ = stream.set_nodelay(true);
+        let Some(slot) = limit.try_acquire() else {
+            metrics::PG_CONNECTIONS
+                .with_label_values(&["too_many"])
+                .inc();
+            tracing::debug!(%peer, "refused: too many connections");
+            limit.refuse(stream);
+            continue;
+        };
         let timelines = timelines.clone();
-        let config = config.clone();
+        let conf = conf.clone();
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
-            match handle_connection(stream, timelines, config, shutdown).await {
+            let _slot = slot;
+            let stream = IdleTimeout::new(stream, conf.idle_timeout);
+            match handle_connection(stream, timelines, &conf, shutdown).await {
                 Ok(()) => metrics::PG_CONNECTIONS.with_label_values(&["ok"]).inc(),
                 Err(e) => {
                     metrics::PG_CONNECTIONS.with_label_values(&["error"]).inc();
@@ -69,17 +121,40 @@ pub async fn run(
     }
 }
 
+/// A connection's stream: the socket under the idle timeout, plain or TLS.
+type ConnStream = MaybeTls<IdleTimeout<TcpStream>, Box<TlsStream<IdleTimeout<TcpStream>>>>;
+
 async fn handle_connection(
-    stream: TcpStream,
+    stream: IdleTimeout<TcpStream>,
     timelines: Arc<GlobalTimelines>,
-    config: ServerConfig,
+    conf: &WalServiceConf,
     shutdown: CancellationToken,
 ) -> Result<(), PqError> {
-    let mut conn = ServerConn::new(stream, config);
-    let params = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
-        Ok(r) => r?,
-        Err(_) => return Err(PqError::Io(std::io::ErrorKind::TimedOut.into())),
+    // Encryption, startup and authentication, all under the handshake timeout.
+    let handshake = async {
+        let mut conn = negotiate_tls(stream, conf).await?;
+        let (params, claims) = match &conf.auth {
+            None => conn.handshake().await.map(|p| (p, None))?,
+            Some(auth) => conn
+                .handshake_with_password(|params, pw| authenticate(auth, params, pw))
+                .await
+                .map(|(p, claims)| (p, Some(claims)))?,
+        };
+        Ok::<_, PqError>((conn, params, claims))
     };
+    let (mut conn, params, claims) =
+        match tokio::time::timeout(conf.handshake_timeout, handshake).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(PqError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the startup handshake took longer than {:?} (--handshake-timeout)",
+                        conf.handshake_timeout
+                    ),
+                )));
+            }
+        };
     let appname = params.application_name().unwrap_or("").to_string();
     let options = match parse_options(params.get("options").unwrap_or("")) {
         Ok(o) => o,
@@ -109,11 +184,9 @@ async fn handle_connection(
     };
 
     loop {
+        // The idle timeout is the stream's (IdleTimeout): a silent client ends with TimedOut.
         let msg = tokio::select! {
-            m = tokio::time::timeout(IDLE_TIMEOUT, conn.read_message()) => match m {
-                Ok(m) => m?,
-                Err(_) => return Ok(()),
-            },
+            m = conn.read_message() => m?,
             _ = shutdown.cancelled() => {
                 conn.send_fatal(ErrorFields::fatal(sqlstate::ADMIN_SHUTDOWN, "the safekeeper is shutting down")).await?;
                 return Ok(());
@@ -148,6 +221,7 @@ async fn handle_connection(
                     conn,
                     timelines,
                     conn_ttid,
+                    claims,
                     proto_version,
                     allow_timeline_creation,
                     shutdown,
@@ -157,7 +231,8 @@ async fn handle_connection(
             ReplicationCommand::StartReplication {
                 start_lsn, term, ..
             } => {
-                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid, claims.as_ref()).await?
+                else {
                     continue;
                 };
                 let span = crate::timeline::span(&tl.ttid);
@@ -170,7 +245,8 @@ async fn handle_connection(
                 }
             }
             ReplicationCommand::IdentifySystem => {
-                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid, claims.as_ref()).await?
+                else {
                     continue;
                 };
                 let pos = tl.positions();
@@ -221,7 +297,9 @@ async fn handle_connection(
                 let value = match name.as_str() {
                     "data_directory_mode" => Some("0700".to_string()),
                     "wal_segment_size" => {
-                        let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                        let Some(tl) =
+                            resolve(&mut conn, &timelines, conn_ttid, claims.as_ref()).await?
+                        else {
                             continue;
                         };
                         Some(format_seg_size(tl.seg_size))
@@ -247,7 +325,8 @@ async fn handle_connection(
                 }
             }
             ReplicationCommand::ReadReplicationSlot(slot) => {
-                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid).await? else {
+                let Some(tl) = resolve(&mut conn, &timelines, conn_ttid, claims.as_ref()).await?
+                else {
                     continue;
                 };
                 // Slots are not kept here: every slot name maps to the oldest WAL we hold, so a
@@ -285,6 +364,7 @@ async fn resolve<S>(
     conn: &mut ServerConn<S>,
     timelines: &GlobalTimelines,
     conn_ttid: Option<TenantTimelineId>,
+    claims: Option<&Claims>,
 ) -> Result<Option<Arc<Timeline>>, PqError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
@@ -305,6 +385,17 @@ where
             }
         }
     };
+    // A tenant token reaches only its tenant's timelines.
+    if let (Ok(tl), Some(claims)) = (&found, claims)
+        && let Err(e) = check_permission(claims, Some(tl.ttid.tenant_id))
+    {
+        conn.send_error(ErrorFields::error(
+            sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+            e.to_string(),
+        ))
+        .await?;
+        return Ok(None);
+    }
     match found {
         Ok(tl) => Ok(Some(tl)),
         Err(msg) => {
@@ -313,6 +404,58 @@ where
             Ok(None)
         }
     }
+}
+
+/// With TLS configured: the client's SSLRequest is answered `S` and the TLS handshake run;
+/// a client that does not ask (sslmode=disable) is refused with FATAL 28000. Without TLS the
+/// stream stays plain (and an SSLRequest is answered `N` by the handshake).
+async fn negotiate_tls(
+    stream: IdleTimeout<TcpStream>,
+    conf: &WalServiceConf,
+) -> Result<ServerConn<ConnStream>, PqError> {
+    let mut conn = ServerConn::new(stream, conf.server.clone());
+    let Some(tls) = &conf.tls else {
+        return Ok(conn.map_stream(MaybeTls::Plain));
+    };
+    if !conn.accept_ssl_request().await? {
+        let e = ErrorFields::fatal(
+            sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+            "this safekeeper requires TLS: connect with sslmode=require or verify-full",
+        );
+        conn.send_fatal(e.clone()).await?;
+        return Err(PqError::Rejected(e));
+    }
+    let tls_stream = tls.acceptor().accept(conn.into_inner()).await?;
+    Ok(ServerConn::new(
+        MaybeTls::Tls(Box::new(tls_stream)),
+        conf.server.clone(),
+    ))
+}
+
+/// Checks the password of a connection as a JWT: valid, and, when the startup options name a
+/// tenant, granting it (each command checks the timeline it touches, too). Refusals are FATAL
+/// 28000 with the reason.
+fn authenticate(
+    auth: &JwtAuth,
+    params: &StartupParams,
+    password: &[u8],
+) -> Result<Claims, ErrorFields> {
+    let denied = |e: AuthError| {
+        ErrorFields::fatal(sqlstate::INVALID_AUTHORIZATION_SPECIFICATION, e.to_string())
+    };
+    let token = std::str::from_utf8(password).map_err(|_| {
+        denied(AuthError::Unauthenticated(
+            "invalid token: not UTF-8".into(),
+        ))
+    })?;
+    let claims = auth.decode(token.trim()).map_err(denied)?;
+    let tenant = parse_options(params.get("options").unwrap_or(""))
+        .ok()
+        .and_then(|o| o.tenant_id);
+    if tenant.is_some() || claims.scope == Scope::Other {
+        check_permission(&claims, tenant).map_err(denied)?;
+    }
+    Ok(claims)
 }
 
 /// `SHOW wal_segment_size` the way PostgreSQL prints it: `16MB`, `1GB`.

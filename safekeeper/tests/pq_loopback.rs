@@ -561,3 +561,67 @@ async fn protocol_minor_version_above_zero_gets_negotiate_protocol_version() {
     );
     h.await.expect("join").expect("handshake");
 }
+
+#[tokio::test]
+async fn messages_before_authentication_are_capped_at_a_few_kib() {
+    let config = ServerConfig {
+        password: Some(b"token".to_vec()),
+        ..ServerConfig::default()
+    };
+    let max = config.max_startup_message_size;
+    assert!((4096..=8192).contains(&max), "{max}");
+    let srv = start_server(config, StartMode::Refuse).await;
+
+    // A startup packet over the cap (but under PostgreSQL's 10,000 bytes) is refused from its
+    // length word, before the body is sent.
+    let mut cfg = client_config(&srv);
+    cfg.password = Some("token".into());
+    cfg.options = Some("x".repeat(max));
+    let err = ClientConn::connect(&cfg).await.err().expect("too large");
+    assert_eq!(err.sqlstate(), Some(sqlstate::PROTOCOL_VIOLATION), "{err}");
+
+    // A password over the cap is refused the same way, once its length word arrives.
+    let mut s = TcpStream::connect(srv.addr).await.unwrap();
+    let mut buf = BytesMut::new();
+    StartupPacket::Startup {
+        minor_version: 0,
+        params: StartupParams(vec![
+            ("user".into(), "postgres".into()),
+            ("replication".into(), "true".into()),
+        ]),
+    }
+    .encode(&mut buf);
+    s.write_all(&buf).await.unwrap();
+    let mut reply = BytesMut::new();
+    let auth = loop {
+        s.read_buf(&mut reply).await.unwrap();
+        if let Some(m) = decode_backend(&mut reply, DEFAULT_MAX_MESSAGE_SIZE).unwrap() {
+            break m;
+        }
+    };
+    assert!(
+        matches!(auth, BackendMessage::Authentication(_)),
+        "{auth:?}"
+    );
+    let mut pw = BytesMut::new();
+    pw.put_u8(b'p');
+    pw.put_i32(4 + (1 << 20));
+    s.write_all(&pw).await.unwrap(); // announces 1 MiB, sends nothing more
+    let err = loop {
+        match s.read_buf(&mut reply).await.unwrap() {
+            0 => panic!("closed without an error"),
+            _ => {
+                if let Some(m) = decode_backend(&mut reply, DEFAULT_MAX_MESSAGE_SIZE).unwrap() {
+                    break m;
+                }
+            }
+        }
+    };
+    let BackendMessage::ErrorResponse(e) = err else {
+        panic!("expected an error, got {err:?}");
+    };
+    assert_eq!(e.code, sqlstate::PROTOCOL_VIOLATION, "{e:?}");
+    // And the server closes the connection.
+    let mut rest = [0u8; 64];
+    assert_eq!(s.read(&mut rest).await.unwrap(), 0);
+}

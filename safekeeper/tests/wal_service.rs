@@ -403,3 +403,24 @@ async fn auth_token_file_requires_the_shared_secret() {
     tx.send(()).unwrap();
     task.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_or_unreadable_token_file_refuses_to_start_naming_it() {
+    use safekeeper::config::Conf;
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    for contents in [None, Some(""), Some("\n")] {
+        if let Some(c) = contents {
+            std::fs::write(&token, c).unwrap();
+        }
+        let mut conf = Conf::for_tests(dir.path().join("data"));
+        conf.pg_auth_token_file = Some(token.clone());
+        let listeners = safekeeper::daemon::bind(&conf).await.unwrap();
+        let err = safekeeper::daemon::run(conf, listeners, std::future::pending())
+            .await
+            .expect_err("a daemon with an empty or missing token file must not start");
+        let err = format!("{err:#}");
+        assert!(err.contains("--pg-auth-token-file"), "{err}");
+        assert!(err.contains(&*token.to_string_lossy()), "{err}");
+    }
+}

@@ -9,13 +9,19 @@
 //!   Throughput: WAL bytes.
 //! - `e2e_commit/safekeepers={1,3}/size=8192`: single stream: one ~8 KiB append (one record)
 //!   at a time, the next only after the previous is committed (window 0). Throughput: commits.
+//! - `e2e_tls/tls={off,on}/size=131072` and `e2e_tls_commit/tls={off,on}/size=8192`: the same
+//!   with one safekeeper, over plain TCP and over TLS (rustls, `--sslmode require`), in the
+//!   same run: the ratio is what TLS costs ingest.
+//! - `e2e_connect/{plain,tls,jwt,tls+jwt}`: connection set-up: TCP connect, TLS handshake,
+//!   startup and authentication (a JWT checked against an Ed25519 key) until ReadyForQuery.
+//!   Throughput: connections.
 
 #![allow(
     missing_docs,
     reason = "criterion_group! defines an undocumented `pub fn benches`"
 )]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use criterion::{
@@ -29,9 +35,94 @@ use tokio::task::JoinHandle;
 use wal_bench::{KIB, SEG_SIZE, START, SYSID, runtime, temp_dir, ttid, volume};
 use walproposer::conn::SafekeeperAddr;
 use walproposer::synthetic::{self, SyntheticOptions};
+use walproposer::tls::{ClientTls, SslMode};
 use walproposer::{Proposer, ProposerConfig};
 
 profiling::global_allocator!();
+
+/// A CA-less self-signed certificate and an Ed25519 JWT key pair made by the `openssl` CLI.
+struct Secrets {
+    _dir: tempfile::TempDir,
+    cert: PathBuf,
+    key: PathBuf,
+    jwt_public: PathBuf,
+    token: String,
+}
+
+fn openssl(args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .output()
+        .expect("running openssl (Debian package openssl)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn secrets() -> Secrets {
+    let dir = temp_dir().expect("bench dir");
+    let p = |n: &str| dir.path().join(n);
+    let (cert, key, jwt_key, jwt_public) =
+        (p("cert.pem"), p("key.pem"), p("jwt.key"), p("jwt.pub"));
+    let s = |p: &PathBuf| p.to_str().expect("UTF-8 path").to_string();
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        &s(&key),
+        "-out",
+        &s(&cert),
+        "-days",
+        "2",
+        "-subj",
+        "/CN=localhost",
+        "-addext",
+        "subjectAltName=DNS:localhost,IP:127.0.0.1",
+    ]);
+    openssl(&["genpkey", "-algorithm", "ed25519", "-out", &s(&jwt_key)]);
+    openssl(&[
+        "pkey",
+        "-in",
+        &s(&jwt_key),
+        "-pubout",
+        "-out",
+        &s(&jwt_public),
+    ]);
+    let signing = jsonwebtoken::EncodingKey::from_ed_pem(&std::fs::read(&jwt_key).expect("key"))
+        .expect("Ed25519 key");
+    let token = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::EdDSA),
+        &serde_json::json!({"scope": "safekeeperdata"}),
+        &signing,
+    )
+    .expect("token");
+    Secrets {
+        _dir: dir,
+        cert,
+        key,
+        jwt_public,
+        token,
+    }
+}
+
+/// How a bench daemon and its clients talk.
+#[derive(Clone, Copy, PartialEq)]
+struct Security {
+    tls: bool,
+    jwt: bool,
+}
+
+const PLAIN: Security = Security {
+    tls: false,
+    jwt: false,
+};
 
 /// A daemon running inside the bench process.
 struct Daemon {
@@ -40,14 +131,26 @@ struct Daemon {
     task: JoinHandle<anyhow::Result<()>>,
 }
 
-async fn start_daemon(datadir: &Path, id: u64) -> Daemon {
+async fn start_daemon(datadir: &Path, id: u64, sec: Security, secrets: &Secrets) -> Daemon {
     let mut conf = Conf::for_tests(datadir.to_path_buf());
     conf.id = id;
+    if sec.tls {
+        conf.tls_cert = Some(secrets.cert.clone());
+        conf.tls_key = Some(secrets.key.clone());
+    }
+    if sec.jwt {
+        conf.auth_public_key_path = Some(secrets.jwt_public.clone());
+    }
     let listeners = daemon::bind(&conf).await.expect("bind");
     let addr = SafekeeperAddr {
         host: "127.0.0.1".into(),
         port: listeners.pg_addr().port(),
-        password: None,
+        password: sec.jwt.then(|| secrets.token.clone()),
+        tls: if sec.tls {
+            ClientTls::new(SslMode::Require, None).expect("TLS client")
+        } else {
+            None
+        },
     };
     let (stop, rx) = oneshot::channel();
     let task = tokio::spawn(daemon::run(conf, listeners, async move {
@@ -58,12 +161,18 @@ async fn start_daemon(datadir: &Path, id: u64) -> Daemon {
 
 /// Starts `n` fresh daemons, elects a proposer over them, runs `opts`; returns the time from
 /// the first push to the commit of the last byte.
-fn run_once(rt: &Runtime, n: u64, opts: &SyntheticOptions) -> Duration {
+fn run_once(
+    rt: &Runtime,
+    n: u64,
+    opts: &SyntheticOptions,
+    sec: Security,
+    secrets: &Secrets,
+) -> Duration {
     let dirs: Vec<_> = (0..n).map(|_| temp_dir().expect("bench dir")).collect();
     rt.block_on(async {
         let mut daemons = Vec::new();
         for (i, d) in dirs.iter().enumerate() {
-            daemons.push(start_daemon(d.path(), i as u64 + 1).await);
+            daemons.push(start_daemon(d.path(), i as u64 + 1, sec, secrets).await);
         }
         let cfg = ProposerConfig {
             safekeepers: daemons.iter().map(|d| d.addr.clone()).collect(),
@@ -89,6 +198,8 @@ fn run_once(rt: &Runtime, n: u64, opts: &SyntheticOptions) -> Duration {
 
 fn e2e(c: &mut Criterion) {
     let rt = runtime();
+    let secrets = secrets();
+    let secrets = &secrets;
     let total = volume().min(256 << 20);
     let mut g = c.benchmark_group("e2e");
     // Long iterations: the same count per sample (10 in all) instead of 1+2+..+10.
@@ -105,7 +216,13 @@ fn e2e(c: &mut Criterion) {
             g.throughput(Throughput::Bytes(total));
             g.bench_function(
                 BenchmarkId::new(format!("safekeepers={n}"), format!("size={size}")),
-                |b| b.iter_custom(|iters| (0..iters).map(|_| run_once(&rt, n, &opts)).sum()),
+                |b| {
+                    b.iter_custom(|iters| {
+                        (0..iters)
+                            .map(|_| run_once(&rt, n, &opts, PLAIN, secrets))
+                            .sum()
+                    })
+                },
             );
         }
     }
@@ -131,10 +248,114 @@ fn e2e(c: &mut Criterion) {
                         chunk_bytes: size,
                         window: 0,
                     };
-                    run_once(&rt, n, &opts)
+                    run_once(&rt, n, &opts, PLAIN, secrets)
                 })
             },
         );
+    }
+    g.finish();
+
+    // TLS against plain TCP, one safekeeper, same run.
+    let tls_modes = [
+        ("off", PLAIN),
+        (
+            "on",
+            Security {
+                tls: true,
+                jwt: false,
+            },
+        ),
+    ];
+    let mut g = c.benchmark_group("e2e_tls");
+    g.sampling_mode(SamplingMode::Flat);
+    let size = 128 * KIB;
+    let opts = SyntheticOptions {
+        record_size: size,
+        total_bytes: total,
+        rate: None,
+        chunk_bytes: 128 * KIB,
+        window: 32 << 20,
+    };
+    g.throughput(Throughput::Bytes(total));
+    for (name, sec) in tls_modes {
+        g.bench_function(
+            BenchmarkId::new(format!("tls={name}"), format!("size={size}")),
+            |b| {
+                b.iter_custom(|iters| {
+                    (0..iters)
+                        .map(|_| run_once(&rt, 1, &opts, sec, secrets))
+                        .sum()
+                })
+            },
+        );
+    }
+    g.finish();
+    let mut g = c.benchmark_group("e2e_tls_commit");
+    g.sampling_mode(SamplingMode::Flat);
+    let size = 8 * KIB;
+    g.throughput(Throughput::Elements(1));
+    for (name, sec) in tls_modes {
+        g.bench_function(
+            BenchmarkId::new(format!("tls={name}"), format!("size={size}")),
+            |b| {
+                b.iter_custom(|iters| {
+                    let opts = SyntheticOptions {
+                        record_size: size - 60,
+                        total_bytes: iters * size as u64,
+                        rate: None,
+                        chunk_bytes: size,
+                        window: 0,
+                    };
+                    run_once(&rt, 1, &opts, sec, secrets)
+                })
+            },
+        );
+    }
+    g.finish();
+
+    // Connection set-up: connect, TLS, startup, authentication, until ReadyForQuery.
+    let mut g = c.benchmark_group("e2e_connect");
+    g.throughput(Throughput::Elements(1));
+    for (name, sec) in [
+        ("plain", PLAIN),
+        (
+            "tls",
+            Security {
+                tls: true,
+                jwt: false,
+            },
+        ),
+        (
+            "jwt",
+            Security {
+                tls: false,
+                jwt: true,
+            },
+        ),
+        (
+            "tls+jwt",
+            Security {
+                tls: true,
+                jwt: true,
+            },
+        ),
+    ] {
+        let dir = temp_dir().expect("bench dir");
+        let d = rt.block_on(start_daemon(dir.path(), 1, sec, secrets));
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let started = std::time::Instant::now();
+                    for _ in 0..iters {
+                        let c = d.addr.connect(ttid(), "bench").await.expect("connect");
+                        drop(c);
+                    }
+                    started.elapsed()
+                })
+            })
+        });
+        let _ = d.stop.send(());
+        rt.block_on(d.task).expect("daemon task").expect("daemon");
     }
     g.finish();
 }

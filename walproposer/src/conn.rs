@@ -8,7 +8,13 @@ use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 
 use pq_proto::PqError;
-use pq_proto::client::{ClientConfig, ClientConn, CopyBothReader, CopyBothWriter, CopyEvent};
+use pq_proto::client::{
+    ClientConfig, ClientConn, CopyBothReader, CopyBothWriter, CopyEvent, request_ssl,
+};
+use pq_proto::stream::MaybeTls;
+use tokio_rustls::client::TlsStream;
+
+use crate::tls::ClientTls;
 use sk_core::protocol::{
     AcceptorProposerMessage, DecodeError, EncodeError, ProposerAcceptorMessage,
 };
@@ -50,8 +56,11 @@ pub struct SafekeeperAddr {
     pub host: String,
     /// PostgreSQL-protocol port.
     pub port: u16,
-    /// Shared secret of `--pg-auth-token-file`, if the safekeeper requires one.
+    /// The password: a JWT, or the shared secret of `--pg-auth-token-file`, if the
+    /// safekeeper requires one.
     pub password: Option<String>,
+    /// TLS (`--sslmode require|verify-full`); `None`: plain TCP.
+    pub tls: Option<ClientTls>,
 }
 
 impl SafekeeperAddr {
@@ -70,6 +79,7 @@ impl SafekeeperAddr {
                 .to_string(),
             port,
             password: None,
+            tls: None,
         })
     }
 }
@@ -88,6 +98,48 @@ impl SafekeeperAddr {
     }
 }
 
+/// A connection to a safekeeper: plain TCP or TLS over it.
+pub type SkStream = MaybeTls<TcpStream, Box<TlsStream<TcpStream>>>;
+
+impl SafekeeperAddr {
+    /// Connects (TCP, then TLS if configured: SSLRequest, handshake) and runs the startup
+    /// phase as `client_config(ttid, application_name)`, all within its connect timeout.
+    pub async fn connect(
+        &self,
+        ttid: TenantTimelineId,
+        application_name: &str,
+    ) -> Result<ClientConn<SkStream>, PqError> {
+        let config = self.client_config(ttid, application_name);
+        let fut = async {
+            let mut tcp = TcpStream::connect((self.host.as_str(), self.port)).await?;
+            tcp.set_nodelay(true)?;
+            let stream = match &self.tls {
+                None => MaybeTls::Plain(tcp),
+                Some(tls) => {
+                    if !request_ssl(&mut tcp).await? {
+                        return Err(PqError::Io(std::io::Error::other(format!(
+                            "{self} does not accept TLS (--sslmode {:?})",
+                            tls.mode
+                        ))));
+                    }
+                    let name = ClientTls::server_name(&self.host)
+                        .map_err(|e| PqError::Io(std::io::Error::other(e)))?;
+                    MaybeTls::Tls(Box::new(tls.connector().connect(name, tcp).await?))
+                }
+            };
+            ClientConn::connect_stream(stream, &config).await
+        };
+        tokio::time::timeout(config.connect_timeout, fut)
+            .await
+            .map_err(|_| {
+                PqError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("connecting to {self} timed out"),
+                ))
+            })?
+    }
+}
+
 impl std::fmt::Display for SafekeeperAddr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}:{}", self.host, self.port)
@@ -96,13 +148,13 @@ impl std::fmt::Display for SafekeeperAddr {
 
 /// The sending half of a WAL push stream.
 pub struct PushWriter {
-    inner: CopyBothWriter<WriteHalf<TcpStream>>,
+    inner: CopyBothWriter<WriteHalf<SkStream>>,
     buf: BytesMut,
 }
 
 /// The receiving half of a WAL push stream.
 pub struct PushReader {
-    inner: CopyBothReader<ReadHalf<TcpStream>>,
+    inner: CopyBothReader<ReadHalf<SkStream>>,
 }
 
 /// Connects and opens `START_WAL_PUSH` for `ttid`.
@@ -112,7 +164,7 @@ pub async fn connect_push(
     allow_timeline_creation: bool,
     application_name: &str,
 ) -> Result<(PushReader, PushWriter), ConnError> {
-    let conn = ClientConn::connect(&addr.client_config(ttid, application_name)).await?;
+    let conn = addr.connect(ttid, application_name).await?;
     let (r, w) = conn
         .start_copy_both(&format!(
             "START_WAL_PUSH (proto_version '3', allow_timeline_creation '{allow_timeline_creation}')"

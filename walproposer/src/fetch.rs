@@ -3,7 +3,7 @@
 //! while the safekeeper's term is still N).
 
 use crate::conn::{ConnError, SafekeeperAddr};
-use pq_proto::client::{ClientConn, CopyEvent};
+use pq_proto::client::CopyEvent;
 use pq_proto::replication::ReplicationMessage;
 use sk_core::types::{Lsn, TenantTimelineId, Term};
 
@@ -28,7 +28,7 @@ pub async fn fetch_wal(
             "recovery of {len} bytes [{from}, {to}) exceeds the {MAX_FETCH_BYTES}-byte limit"
         )));
     }
-    let conn = ClientConn::connect(&addr.client_config(ttid, "wal_proposer_recovery")).await?;
+    let conn = addr.connect(ttid, "wal_proposer_recovery").await?;
     let (mut reader, mut writer) = conn
         .start_copy_both(&format!(
             "START_REPLICATION PHYSICAL {from} (term='{}')",

@@ -23,6 +23,7 @@ pub mod consensus;
 pub mod fetch;
 pub mod postgres;
 pub mod synthetic;
+pub mod tls;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};

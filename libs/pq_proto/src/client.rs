@@ -92,6 +92,41 @@ impl ClientConfig {
     }
 }
 
+/// Sends an SSLRequest on a fresh connection and reads the one-byte answer: `true` if the
+/// server agreed (`S`: start the TLS handshake now), `false` if it declined (`N`). An
+/// ErrorResponse instead (a server that refuses the connection outright) is returned as
+/// [`PqError::Server`].
+pub async fn request_ssl<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+) -> Result<bool, PqError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = BytesMut::new();
+    StartupPacket::SslRequest.encode(&mut buf);
+    stream.write_all(&buf).await?;
+    stream.flush().await?;
+    let mut answer = [0u8; 1];
+    stream.read_exact(&mut answer).await?;
+    match answer[0] {
+        b'S' => Ok(true),
+        b'N' => Ok(false),
+        b'E' => {
+            let mut rest = BytesMut::from(&b"E"[..]);
+            let msg = read_backend(stream, &mut rest, DEFAULT_MAX_MESSAGE_SIZE).await?;
+            match msg {
+                BackendMessage::ErrorResponse(e) => Err(PqError::Server(e)),
+                other => Err(PqError::Unexpected {
+                    expected: "an answer to SSLRequest",
+                    got: format!("{other:?}"),
+                }),
+            }
+        }
+        other => Err(PqError::Unexpected {
+            expected: "an answer to SSLRequest",
+            got: format!("byte {other:#04x}"),
+        }),
+    }
+}
+
 /// The full answer to a simple query (the last result set if there were several statements).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QueryResult {

@@ -25,6 +25,10 @@ pub mod sqlstate {
     pub const SYNTAX_ERROR: &str = "42601";
     /// `undefined_object`: e.g. an unknown timeline.
     pub const UNDEFINED_OBJECT: &str = "42704";
+    /// `too_many_connections`: the server's connection limit is reached.
+    pub const TOO_MANY_CONNECTIONS: &str = "53300";
+    /// `insufficient_privilege`: authenticated, but not allowed to do this.
+    pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
     /// `object_not_in_prerequisite_state`: e.g. WAL that is not available (any more).
     pub const OBJECT_NOT_IN_PREREQUISITE_STATE: &str = "55000";
     /// `query_canceled`.

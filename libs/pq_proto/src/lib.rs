@@ -12,7 +12,8 @@
 //! - [`server`]: a server connection: startup handshake, simple queries, result sets, errors,
 //!   and a split into reader and writer halves for the duplex CopyBoth phase;
 //! - [`client`]: a minimal replication client (our proposer, our relay from a real primary, our
-//!   tests).
+//!   tests);
+//! - [`stream`]: a stream that is plain or TLS (the TLS library is the caller's).
 //!
 //! Not here: neon's commands (`START_WAL_PUSH`, `START_REPLICATION ... (term)`) and what each
 //! command *does* (WalAcceptor, walsender, timeline lookup): the safekeeper's connection
@@ -30,6 +31,8 @@ pub mod reader;
 pub mod replication;
 #[cfg(feature = "tokio")]
 pub mod server;
+#[cfg(feature = "tokio")]
+pub mod stream;
 
 use std::time::SystemTime;
 

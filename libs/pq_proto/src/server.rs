@@ -25,9 +25,12 @@ use crate::backend::{
     Authentication, BackendMessage, CopyResponse, FieldDescription, TransactionStatus,
     put_copy_data,
 };
-use crate::error::{ErrorFields, sqlstate};
+use crate::error::{ErrorFields, ProtocolError, sqlstate};
 use crate::framing::DEFAULT_MAX_MESSAGE_SIZE;
-use crate::frontend::{FrontendMessage, StartupPacket, StartupParams, decode_startup};
+use crate::frontend::{
+    FrontendMessage, GSSENC_REQUEST_CODE, SSL_REQUEST_CODE, StartupPacket, StartupParams,
+    decode_startup,
+};
 use crate::io::{flush_buf, read_frame, read_frontend};
 use crate::replication::{ReplicationMessage, xlog_data_header};
 
@@ -45,7 +48,14 @@ pub struct ServerConfig {
     pub server_version: String,
     /// Limit on one message body from the client.
     pub max_message_size: usize,
+    /// Limit on each message before authentication completes (the startup packet, SSL/GSS
+    /// requests, the password): an unauthenticated client can make the server buffer no more.
+    pub max_startup_message_size: usize,
 }
+
+/// Default [`ServerConfig::max_startup_message_size`]: 8 KiB holds any real startup packet and
+/// a JWT, and is below PostgreSQL's own 10,000-byte startup packet limit.
+pub const DEFAULT_MAX_STARTUP_MESSAGE_SIZE: usize = 8192;
 
 impl std::fmt::Debug for ServerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -53,6 +63,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("server_version", &self.server_version)
             .field("max_message_size", &self.max_message_size)
+            .field("max_startup_message_size", &self.max_startup_message_size)
             .finish()
     }
 }
@@ -63,6 +74,7 @@ impl Default for ServerConfig {
             password: None,
             server_version: DEFAULT_SERVER_VERSION.to_string(),
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            max_startup_message_size: DEFAULT_MAX_STARTUP_MESSAGE_SIZE,
         }
     }
 }
@@ -118,6 +130,73 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
         }
     }
 
+    /// On a server that offers TLS, before [`Self::handshake`]: reads the client's first packet.
+    /// An SSLRequest is answered `S` and `true` is returned: the caller runs the TLS handshake
+    /// over [`Self::into_inner`] and starts a new connection over the TLS stream. A
+    /// GSSENCRequest is answered `N` and the next packet read. Anything else (a startup packet)
+    /// stays buffered for [`Self::handshake`], and `false` is returned. Bytes sent after an
+    /// SSLRequest before our answer are refused (they would bypass the encryption).
+    ///
+    /// Not cancellation-safe; run it under the handshake's timeout.
+    pub async fn accept_ssl_request(&mut self) -> Result<bool, PqError> {
+        use tokio::io::AsyncReadExt;
+        for _ in 0..3 {
+            while self.read_buf.len() < 8 {
+                if self.stream.read_buf(&mut self.read_buf).await? == 0 {
+                    return Err(PqError::ConnectionClosed);
+                }
+            }
+            let len = u32::from_be_bytes([
+                self.read_buf[0],
+                self.read_buf[1],
+                self.read_buf[2],
+                self.read_buf[3],
+            ]);
+            let code = u32::from_be_bytes([
+                self.read_buf[4],
+                self.read_buf[5],
+                self.read_buf[6],
+                self.read_buf[7],
+            ]);
+            if len != 8 || (code != SSL_REQUEST_CODE && code != GSSENC_REQUEST_CODE) {
+                return Ok(false);
+            }
+            let _ = self.read_buf.split_to(8);
+            if !self.read_buf.is_empty() {
+                return Err(self
+                    .reject(ErrorFields::fatal(
+                        sqlstate::PROTOCOL_VIOLATION,
+                        "received unencrypted data after an encryption request",
+                    ))
+                    .await);
+            }
+            if code == SSL_REQUEST_CODE {
+                self.write_buf.extend_from_slice(b"S");
+                flush_buf(&mut self.stream, &mut self.write_buf).await?;
+                return Ok(true);
+            }
+            self.write_buf.extend_from_slice(b"N");
+            flush_buf(&mut self.stream, &mut self.write_buf).await?;
+        }
+        Err(self
+            .reject(ErrorFields::fatal(
+                sqlstate::PROTOCOL_VIOLATION,
+                "too many encryption negotiation requests",
+            ))
+            .await)
+    }
+
+    /// The same connection over another stream type (e.g. wrapped in an enum), keeping what is
+    /// buffered.
+    pub fn map_stream<T>(self, f: impl FnOnce(S) -> T) -> ServerConn<T> {
+        ServerConn {
+            stream: f(self.stream),
+            read_buf: self.read_buf,
+            write_buf: self.write_buf,
+            config: self.config,
+        }
+    }
+
     /// Runs the startup phase and returns the client's startup parameters (`user`,
     /// `application_name`, `options`, ...). On refusal a FATAL ErrorResponse has been sent and
     /// [`PqError::Rejected`] is returned; on a CancelRequest, [`PqError::CancelRequest`]. In every
@@ -126,9 +205,58 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
     /// Not cancellation-safe (a half-done handshake cannot be resumed); wrap it in a timeout
     /// and drop the connection if it fires.
     pub async fn handshake(&mut self) -> Result<StartupParams, PqError> {
+        let (params, user) = self.startup().await?;
+        if let Some(secret) = self.config.password.clone() {
+            let p = self.read_password().await?;
+            if !constant_time_eq(&p, &secret) {
+                return Err(self
+                    .reject(ErrorFields::fatal(
+                        sqlstate::INVALID_PASSWORD,
+                        format!("password authentication failed for user \"{user}\""),
+                    ))
+                    .await);
+            }
+        }
+        self.finish_startup(&params).await?;
+        Ok(params)
+    }
+
+    /// Like [`Self::handshake`], but always asks for a cleartext password and lets `check`
+    /// decide (a JWT, say): `Ok(t)` authenticates the connection and `t` (what the password
+    /// proved, e.g. its claims) is returned with the parameters; `Err(fields)` is sent as a
+    /// FATAL ErrorResponse and the handshake fails with [`PqError::Rejected`].
+    /// `config.password` is not used. Not cancellation-safe, as [`Self::handshake`].
+    pub async fn handshake_with_password<T>(
+        &mut self,
+        check: impl FnOnce(&StartupParams, &[u8]) -> Result<T, ErrorFields>,
+    ) -> Result<(StartupParams, T), PqError> {
+        let (params, _user) = self.startup().await?;
+        let password = self.read_password().await?;
+        let proved = match check(&params, &password) {
+            Ok(t) => t,
+            Err(e) => return Err(self.reject(e).await),
+        };
+        self.finish_startup(&params).await?;
+        Ok((params, proved))
+    }
+
+    /// The startup phase up to authentication: encryption requests, the StartupMessage and its
+    /// checks. Returns the parameters and the user name.
+    async fn startup(&mut self) -> Result<(StartupParams, String), PqError> {
         let mut negotiations = 0;
+        let limit = self.config.max_startup_message_size;
         let (minor_version, params) = loop {
             let pkt = match read_frame(&mut self.stream, &mut self.read_buf, 0, |b, _| {
+                // The length word is checked against our pre-authentication limit before
+                // anything more is buffered.
+                if let Some(len) = b.get(..4) {
+                    let len = i32::from_be_bytes([len[0], len[1], len[2], len[3]]);
+                    if let Ok(len) = usize::try_from(len)
+                        && len > limit
+                    {
+                        return Err(ProtocolError::TooLarge { len, max: limit });
+                    }
+                }
                 decode_startup(b)
             })
             .await
@@ -225,35 +353,36 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
             }
         }
 
-        if let Some(secret) = self.config.password.clone() {
-            self.write_message(&BackendMessage::Authentication(
-                Authentication::CleartextPassword,
-            ));
-            self.flush().await?;
-            match self.read_message().await? {
-                Some(FrontendMessage::Password(p)) => {
-                    if !constant_time_eq(&p, &secret) {
-                        return Err(self
-                            .reject(ErrorFields::fatal(
-                                sqlstate::INVALID_PASSWORD,
-                                format!("password authentication failed for user \"{user}\""),
-                            ))
-                            .await);
-                    }
-                }
-                // libpq closes and reconnects once it has asked the user for a password.
-                None => return Err(PqError::ConnectionClosed),
-                Some(other) => {
-                    return Err(self
-                        .reject(ErrorFields::fatal(
-                            sqlstate::PROTOCOL_VIOLATION,
-                            format!("expected password response, got {}", msg_name(&other)),
-                        ))
-                        .await);
-                }
-            }
-        }
+        Ok((params, user))
+    }
 
+    /// Asks for a cleartext password and reads it, held to the pre-authentication size limit.
+    async fn read_password(&mut self) -> Result<Bytes, PqError> {
+        self.write_message(&BackendMessage::Authentication(
+            Authentication::CleartextPassword,
+        ));
+        self.flush().await?;
+        let limit = self.config.max_startup_message_size;
+        let password = match read_frontend(&mut self.stream, &mut self.read_buf, limit).await {
+            Err(PqError::Protocol(e)) => return Err(self.reject(e.to_error_fields()).await),
+            other => other?,
+        };
+        match password {
+            Some(FrontendMessage::Password(p)) => Ok(p),
+            // libpq closes and reconnects once it has asked the user for a password.
+            None => Err(PqError::ConnectionClosed),
+            Some(other) => Err(self
+                .reject(ErrorFields::fatal(
+                    sqlstate::PROTOCOL_VIOLATION,
+                    format!("expected password response, got {}", msg_name(&other)),
+                ))
+                .await),
+        }
+    }
+
+    /// AuthenticationOk, the ParameterStatus values clients need, BackendKeyData and
+    /// ReadyForQuery.
+    async fn finish_startup(&mut self, params: &StartupParams) -> Result<(), PqError> {
         self.write_message(&BackendMessage::Authentication(Authentication::Ok));
         let version = self.config.server_version.clone();
         for (name, value) in [
@@ -277,7 +406,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
         });
         self.write_message(&BackendMessage::ReadyForQuery(TransactionStatus::Idle));
         self.flush().await?;
-        Ok(params)
+        Ok(())
     }
 
     /// Sends a FATAL error (best effort: the client may be gone) and returns the error to give

@@ -71,6 +71,7 @@ impl TestDaemon {
             host: "127.0.0.1".into(),
             port: self.pg.port(),
             password: None,
+            tls: None,
         }
     }
 

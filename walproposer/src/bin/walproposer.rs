@@ -54,9 +54,26 @@ struct Args {
     /// Where WAL begins on an empty timeline.
     #[arg(long, default_value = "0/1000000")]
     start_lsn: Lsn,
-    /// Password for safekeepers started with --pg-auth-token-file.
-    #[arg(long, env = "WALPROPOSER_PASSWORD")]
-    password: Option<String>,
+    /// The safekeepers' password: a JWT (scope `safekeeperdata`, or `tenant` for this tenant)
+    /// for safekeepers with --auth-public-key-path, or the shared secret of
+    /// --pg-auth-token-file. Prefer the environment variable or --auth-token-file: a flag's
+    /// value shows in `ps`.
+    #[arg(long, env = "WALPROPOSER_AUTH_TOKEN", hide_env_values = true)]
+    auth_token: Option<String>,
+    /// TLS to the safekeepers, as libpq's sslmode: disable, require (encrypted, certificate not
+    /// checked) or verify-full (the certificate must chain to --sslrootcert and name the host).
+    #[arg(long, value_enum, default_value = "disable")]
+    sslmode: walproposer::tls::SslMode,
+    /// CA certificates (PEM) for --sslmode verify-full.
+    #[arg(long)]
+    sslrootcert: Option<std::path::PathBuf>,
+    /// A file holding the token (see --auth-token); an unreadable or empty file is an error.
+    #[arg(
+        long,
+        env = "WALPROPOSER_AUTH_TOKEN_FILE",
+        conflicts_with = "auth_token"
+    )]
+    auth_token_file: Option<std::path::PathBuf>,
     /// Append every quorum-commit advance (an acknowledgement) to this file: `<end LSN>` per
     /// line, with the synthetic source `<end LSN> <sha256>` of the WAL from the previous line's
     /// end.
@@ -176,13 +193,30 @@ fn spawn_ack_log(
     }))
 }
 
+/// The token of `--auth-token-file` (trailing whitespace trimmed) or `--auth-token`.
+fn auth_token(args: &Args) -> anyhow::Result<Option<String>> {
+    let Some(path) = &args.auth_token_file else {
+        return Ok(args.auth_token.clone());
+    };
+    let token = std::fs::read_to_string(path)
+        .with_context(|| format!("--auth-token-file {}: cannot read the file", path.display()))?;
+    let token = token.trim();
+    if token.is_empty() {
+        anyhow::bail!("--auth-token-file {}: the file is empty", path.display());
+    }
+    Ok(Some(token.to_string()))
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
+    let token = auth_token(&args)?;
+    let tls = walproposer::tls::ClientTls::new(args.sslmode, args.sslrootcert.as_deref())?;
     let safekeepers = args
         .safekeepers
         .iter()
         .map(|s| {
             SafekeeperAddr::parse(s).map(|mut a| {
-                a.password = args.password.clone();
+                a.password = token.clone();
+                a.tls = tls.clone();
                 a
             })
         })

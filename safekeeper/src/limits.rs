@@ -1,0 +1,310 @@
+//! Limits that keep a hostile or broken client from holding the daemon's resources: the number
+//! of PostgreSQL-protocol connections (excess ones get PostgreSQL's "too many connections"
+//! error), an idle timeout on every connection's reads and writes (streaming ones included),
+//! and the duration syntax of the flags that set them.
+//!
+//! Not here: the cap on messages before authentication (`pq_proto::server::ServerConfig::
+//! max_startup_message_size`), the handshake timeout (applied by [`crate::wal_service`]) and the
+//! HTTP per-route-class request limits ([`crate::http`]).
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+
+use pq_proto::frontend::{GSSENC_REQUEST_CODE, SSL_REQUEST_CODE};
+use pq_proto::{BackendMessage, ErrorFields, sqlstate};
+
+/// Parses a duration flag: `500ms`, `30s`, `10m`, `2h`, or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 10m, 2h"))?;
+    let d = match unit.trim() {
+        "ms" => Duration::from_millis(n),
+        "" | "s" => Duration::from_secs(n),
+        "m" | "min" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        other => {
+            return Err(format!(
+                "invalid duration unit {other:?} in {s:?}: use ms, s, m or h"
+            ));
+        }
+    };
+    if d.is_zero() {
+        return Err(format!("invalid duration {s:?}: must be positive"));
+    }
+    Ok(d)
+}
+
+/// A stream whose reads fail with `TimedOut` when no byte arrives for `timeout`, and whose
+/// writes (and flushes) fail the same way when the peer accepts no byte for `timeout`. The
+/// clocks run only while a read or write is waiting: a connection whose task is busy elsewhere
+/// (e.g. back-pressured by the disk) is not cut for it.
+///
+/// Wraps the raw socket, under TLS, so every byte on the wire counts as activity.
+pub struct IdleTimeout<S> {
+    inner: S,
+    timeout: Duration,
+    read: Timer,
+    write: Timer,
+}
+
+/// A deadline armed when an operation first waits and disarmed when it makes progress.
+struct Timer {
+    sleep: Pin<Box<Sleep>>,
+    armed: bool,
+}
+
+impl Timer {
+    fn new() -> Timer {
+        Timer {
+            sleep: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            armed: false,
+        }
+    }
+
+    /// Called when the operation is pending: `Ready(Err)` once `timeout` has passed since it
+    /// started waiting.
+    fn poll_expired(
+        &mut self,
+        cx: &mut Context<'_>,
+        timeout: Duration,
+        what: &str,
+    ) -> Poll<io::Result<()>> {
+        if !self.armed {
+            self.sleep.as_mut().reset(Instant::now() + timeout);
+            self.armed = true;
+        }
+        match self.sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{what} for {timeout:?} (--pg-idle-timeout)"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<S> IdleTimeout<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, timeout: Duration) -> IdleTimeout<S> {
+        IdleTimeout {
+            inner,
+            timeout,
+            read: Timer::new(),
+            write: Timer::new(),
+        }
+    }
+
+    /// The wrapped stream.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for IdleTimeout<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                this.read.armed = false;
+                Poll::Ready(r)
+            }
+            Poll::Pending => this
+                .read
+                .poll_expired(cx, this.timeout, "no data from the client"),
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> IdleTimeout<S> {
+    fn progress<T>(&mut self, cx: &mut Context<'_>, p: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        match p {
+            Poll::Ready(r) => {
+                self.write.armed = false;
+                Poll::Ready(r)
+            }
+            Poll::Pending => {
+                match self
+                    .write
+                    .poll_expired(cx, self.timeout, "the client accepted no data")
+                {
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                    _ => Poll::Pending,
+                }
+            }
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for IdleTimeout<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let p = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.progress(cx, p)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let p = Pin::new(&mut this.inner).poll_flush(cx);
+        this.progress(cx, p)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let p = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.progress(cx, p)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let p = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.progress(cx, p)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// How many refused connections may be waiting for their error message to drain at once;
+/// beyond that, excess connections are closed without a word.
+const MAX_REFUSING: usize = 64;
+/// How long a refused connection is given to read its error.
+const REFUSE_LINGER: Duration = Duration::from_secs(1);
+
+/// The PostgreSQL-protocol connection limit: a slot per served connection.
+#[derive(Clone)]
+pub struct ConnectionLimit {
+    slots: Arc<Semaphore>,
+    refusing: Arc<Semaphore>,
+    max: usize,
+}
+
+impl ConnectionLimit {
+    /// A limit of `max` connections served at once.
+    pub fn new(max: usize) -> ConnectionLimit {
+        ConnectionLimit {
+            slots: Arc::new(Semaphore::new(max)),
+            refusing: Arc::new(Semaphore::new(MAX_REFUSING)),
+            max,
+        }
+    }
+
+    /// A slot for a new connection, held for its life; `None` when all are taken.
+    pub fn try_acquire(&self) -> Option<OwnedSemaphorePermit> {
+        self.slots.clone().try_acquire_owned().ok()
+    }
+
+    /// Refuses `stream` the way PostgreSQL does when it is full: encryption requests are
+    /// answered `N`, then FATAL 53300 "sorry, too many clients already" is sent once the startup
+    /// packet begins. Runs in its own task, within a second, bounded: when [`MAX_REFUSING`]
+    /// refusals are already under way, the connection is just closed.
+    pub fn refuse(&self, mut stream: TcpStream) {
+        let Ok(permit) = self.refusing.clone().try_acquire_owned() else {
+            return; // dropped: closed
+        };
+        let max = self.max;
+        tokio::spawn(async move {
+            let _permit = permit;
+            let mut buf = BytesMut::new();
+            BackendMessage::ErrorResponse(ErrorFields::fatal(
+                sqlstate::TOO_MANY_CONNECTIONS,
+                format!("sorry, too many clients already (--max-connections {max})"),
+            ))
+            .encode(&mut buf);
+            let _ = tokio::time::timeout(REFUSE_LINGER, async {
+                // As PostgreSQL: encryption requests are declined ('N') first, so libpq shows
+                // the error (it does not show one sent in answer to its SSLRequest).
+                for _ in 0..2 {
+                    let mut head = [0u8; 8];
+                    stream.read_exact(&mut head).await?;
+                    let len = u32::from_be_bytes([head[0], head[1], head[2], head[3]]);
+                    let code = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
+                    if len != 8 || (code != SSL_REQUEST_CODE && code != GSSENC_REQUEST_CODE) {
+                        break;
+                    }
+                    stream.write_all(b"N").await?;
+                }
+                stream.write_all(&buf).await?;
+                stream.shutdown().await?;
+                // Read what the client sent (its startup packet) until it closes, so the close
+                // is a FIN rather than a reset that could destroy the error before it is read.
+                let mut sink = [0u8; 1024];
+                while stream.read(&mut sink).await? > 0 {}
+                Ok::<(), io::Error>(())
+            })
+            .await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("10 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_is_cut_after_the_idle_timeout_and_an_active_one_is_not() {
+        let (client, server) = tokio::io::duplex(64);
+        let mut server = IdleTimeout::new(server, Duration::from_secs(10));
+        let mut client = client;
+        // Activity every 6 s keeps the connection: each byte restarts the clock.
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            client.write_all(b"x").await.unwrap();
+            let mut b = [0u8; 1];
+            server.read_exact(&mut b).await.unwrap();
+        }
+        let started = Instant::now();
+        let mut b = [0u8; 1];
+        let err = server.read_exact(&mut b).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_reads_nothing_is_cut_after_the_idle_timeout() {
+        let (_client, server) = tokio::io::duplex(64);
+        let mut server = IdleTimeout::new(server, Duration::from_secs(10));
+        let started = Instant::now();
+        let err = server.write_all(&[0u8; 1024]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+    }
+}
