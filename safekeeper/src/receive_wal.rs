@@ -133,6 +133,7 @@ where
         writer,
         timelines,
         conn_ttid,
+        claims,
         greeting,
         allow_creation,
         shutdown,
@@ -142,11 +143,13 @@ where
 }
 
 /// The rest of a WAL push, once the greeting names the timeline.
+#[allow(clippy::too_many_arguments)] // the connection's parts, handed on from the greeting
 async fn accept<S>(
     mut reader: ServerReader<ReadHalf<S>>,
     mut writer: ServerWriter<WriteHalf<S>>,
     timelines: Arc<GlobalTimelines>,
     conn_ttid: Option<TenantTimelineId>,
+    claims: Option<Claims>,
     greeting: ProposerGreeting,
     allow_creation: bool,
     shutdown: CancellationToken,

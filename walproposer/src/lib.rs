@@ -242,6 +242,7 @@ impl Shared {
                             .safekeepers
                             .first()
                             .and_then(|a| a.password.clone()),
+                        tls: self.cfg.safekeepers.first().and_then(|a| a.tls.clone()),
                     };
                     tracing::info!(safekeeper = %addr, node = %id.id, "new member");
                     if sk == st.addrs.len() {
