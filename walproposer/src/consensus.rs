@@ -583,11 +583,6 @@ impl ProposerCore {
         &self.mconf
     }
 
-    /// Number of safekeepers known (members or not).
-    pub fn n_safekeepers(&self) -> usize {
-        self.members.len()
-    }
-
     /// Whether `sk` was retired (it is not a member of the configuration).
     pub fn retired(&self, sk: SkId) -> bool {
         self.members[sk].retired
@@ -1032,10 +1027,7 @@ impl ProposerCore {
     }
 
     fn on_vote(&mut self, sk: SkId, conn: ConnId, v: VoteResponse) {
-        if !matches!(
-            self.members[sk].conn.as_ref().map(|c| &c.state),
-            Some(ConnState::Voting)
-        ) {
+        if !self.in_state(sk, |s| matches!(s, ConnState::Voting)) {
             return self.close(sk, conn, "unexpected vote response".into());
         }
         self.members[sk].term = v.term;
