@@ -196,6 +196,42 @@ fn run_once(
     })
 }
 
+/// Ingest of `total` bytes in records of `size`, pipelined.
+fn ingest_opts(size: usize, total: u64) -> SyntheticOptions {
+    SyntheticOptions {
+        record_size: size,
+        total_bytes: total,
+        rate: None,
+        chunk_bytes: 128 * KIB,
+        window: 32 << 20,
+    }
+}
+
+/// `commits` single-record commits of `size` bytes of WAL each, one at a time.
+fn commit_opts(size: usize, commits: u64) -> SyntheticOptions {
+    SyntheticOptions {
+        record_size: size - 60,
+        total_bytes: commits * size as u64,
+        rate: None,
+        chunk_bytes: size,
+        window: 0,
+    }
+}
+
+/// `iters` whole runs of `opts`, one after the other.
+fn run_times(
+    iters: u64,
+    rt: &Runtime,
+    n: u64,
+    opts: &SyntheticOptions,
+    sec: Security,
+    secrets: &Secrets,
+) -> Duration {
+    (0..iters)
+        .map(|_| run_once(rt, n, opts, sec, secrets))
+        .sum()
+}
+
 fn e2e(c: &mut Criterion) {
     let rt = runtime();
     let secrets = secrets();
@@ -206,23 +242,11 @@ fn e2e(c: &mut Criterion) {
     g.sampling_mode(SamplingMode::Flat);
     for n in [1, 3] {
         for size in [KIB, 128 * KIB] {
-            let opts = SyntheticOptions {
-                record_size: size,
-                total_bytes: total,
-                rate: None,
-                chunk_bytes: 128 * KIB,
-                window: 32 << 20,
-            };
+            let opts = ingest_opts(size, total);
             g.throughput(Throughput::Bytes(total));
             g.bench_function(
                 BenchmarkId::new(format!("safekeepers={n}"), format!("size={size}")),
-                |b| {
-                    b.iter_custom(|iters| {
-                        (0..iters)
-                            .map(|_| run_once(&rt, n, &opts, PLAIN, secrets))
-                            .sum()
-                    })
-                },
+                |b| b.iter_custom(|iters| run_times(iters, &rt, n, &opts, PLAIN, secrets)),
             );
         }
     }
@@ -240,16 +264,7 @@ fn e2e(c: &mut Criterion) {
                 // One iteration = one commit: `iters` appends of one record each (a record of
                 // 8192 - 60 payload bytes is just over 8 KiB of WAL, so each 8 KiB chunk the
                 // synthetic source asks for is exactly one record).
-                b.iter_custom(|iters| {
-                    let opts = SyntheticOptions {
-                        record_size: size - 60,
-                        total_bytes: iters * size as u64,
-                        rate: None,
-                        chunk_bytes: size,
-                        window: 0,
-                    };
-                    run_once(&rt, n, &opts, PLAIN, secrets)
-                })
+                b.iter_custom(|iters| run_once(&rt, n, &commit_opts(size, iters), PLAIN, secrets))
             },
         );
     }
@@ -269,24 +284,12 @@ fn e2e(c: &mut Criterion) {
     let mut g = c.benchmark_group("e2e_tls");
     g.sampling_mode(SamplingMode::Flat);
     let size = 128 * KIB;
-    let opts = SyntheticOptions {
-        record_size: size,
-        total_bytes: total,
-        rate: None,
-        chunk_bytes: 128 * KIB,
-        window: 32 << 20,
-    };
+    let opts = ingest_opts(size, total);
     g.throughput(Throughput::Bytes(total));
     for (name, sec) in tls_modes {
         g.bench_function(
             BenchmarkId::new(format!("tls={name}"), format!("size={size}")),
-            |b| {
-                b.iter_custom(|iters| {
-                    (0..iters)
-                        .map(|_| run_once(&rt, 1, &opts, sec, secrets))
-                        .sum()
-                })
-            },
+            |b| b.iter_custom(|iters| run_times(iters, &rt, 1, &opts, sec, secrets)),
         );
     }
     g.finish();
@@ -297,18 +300,7 @@ fn e2e(c: &mut Criterion) {
     for (name, sec) in tls_modes {
         g.bench_function(
             BenchmarkId::new(format!("tls={name}"), format!("size={size}")),
-            |b| {
-                b.iter_custom(|iters| {
-                    let opts = SyntheticOptions {
-                        record_size: size - 60,
-                        total_bytes: iters * size as u64,
-                        rate: None,
-                        chunk_bytes: size,
-                        window: 0,
-                    };
-                    run_once(&rt, 1, &opts, sec, secrets)
-                })
-            },
+            |b| b.iter_custom(|iters| run_once(&rt, 1, &commit_opts(size, iters), sec, secrets)),
         );
     }
     g.finish();
