@@ -5,6 +5,7 @@ XML parser."""
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 import subprocess
@@ -289,6 +290,16 @@ def test_frequency_above_kernel_tick_is_clamped_and_said(profiled):
         assert "requested=1000" in header and "clamped" in header
 
 
+def rss_growth(server, baseline: int, limit: int, timeout: float = 30) -> int:
+    """RSS above `baseline` once it is below `limit`, or after `timeout` s: what it then is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        growth = server.rss_bytes() - baseline
+        if growth < limit or time.monotonic() > deadline:
+            return growth
+        time.sleep(0.5)
+
+
 def test_repeated_cpu_profiles_do_not_ratchet_memory(profiled):
     """Each CPU profile re-allocates pprof-rs's sample table; jemalloc's background thread must
     hand the freed pages back (after its decay time), so RSS after ten profiles comes back to
@@ -305,13 +316,32 @@ def test_repeated_cpu_profiles_do_not_ratchet_memory(profiled):
         for _ in range(9):
             assert profile_ok()
     # Freed memory is returned gradually (jemalloc's dirty/muzzy decay, 10 s by default).
-    deadline = time.monotonic() + 30
-    while True:
-        growth = profiled.rss_bytes() - after_first
-        if growth < 64 * 2**20 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    growth = rss_growth(profiled, after_first, 64 * 2**20)
     assert growth < 64 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over 9 more profiles"
+
+
+def test_idle_rss_is_small_and_comes_back_after_profiles(profiled):
+    """Symbolizing parses the binary's debug info onto the heap (~150 MiB for the safekeeper);
+    that cache is freed after every profile, so the idle server stays under 40 MiB and, after
+    profiles of every kind, comes back within 20 MiB of that, still naming functions in full."""
+    time.sleep(1)
+    idle = profiled.rss_bytes()
+    assert idle < 40 * 2**20, f"idle RSS {idle / 2**20:.1f} MiB"
+    with http_load(profiled, threads=1):  # CPU samples to name
+        for _ in range(3):
+            for path in [
+                "/profile/cpu?seconds=1",
+                "/profile/cpu?seconds=1&format=svg",
+                "/profile/heap",
+                "/profile/heap?format=svg",
+            ]:
+                r = requests.get(f"{profiled.http}{path}", timeout=60)
+                assert r.status_code == 200, (path, r.text)
+                body = r.content if "svg" in path else gzip.decompress(r.content)
+                # Resolved after the previous profile freed the cache: still qualified names.
+                assert b"tokio::runtime::" in body, path
+    growth = rss_growth(profiled, idle, 20 * 2**20)
+    assert growth < 20 * 2**20, f"RSS {growth / 2**20:.1f} MiB above idle after 12 profiles"
 
 
 @pytest.mark.parametrize("kind", ["safekeeper", "example"])

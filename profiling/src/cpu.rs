@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{ProfileError, parse_bounded, parse_choice, parse_flag, reject_unknown};
 use crate::metrics::{Outcome, record};
 use crate::svg;
+use crate::symcache::Symbolizing;
 
 const DEFAULT_SECONDS: u64 = 5;
 /// Go's `net/http/pprof` default for `/debug/pprof/profile`.
@@ -77,6 +78,8 @@ pub fn max_sampling_frequency() -> u64 {
 /// malloc. Calling this once at start-up, before other threads exist, runs that first handler on a
 /// thread that is only spinning. Later handlers do not allocate. Takes a few milliseconds of CPU.
 pub fn warm_up() {
+    // The first profile also symbolizes one backtrace: free that cache when done.
+    let _symbolizing = Symbolizing::begin();
     let Ok(guard) = pprof::ProfilerGuardBuilder::default()
         .frequency(max_sampling_frequency() as i32)
         .build()
@@ -160,14 +163,21 @@ async fn profile(
     let frequency = requested.min(max);
 
     let (held, cancel) = acquire(force).await?;
-    let guard = pprof::ProfilerGuardBuilder::default()
-        .frequency(frequency as i32)
-        .build()
-        .map_err(|e| {
-            ProfileError::Conflict(format!(
-                "the CPU profiler is busy ({e}); retry later or add force=true"
-            ))
-        })?;
+    // Starting a profile resolves one backtrace (pprof-rs warms its unwinder that way), which
+    // parses the binary's debug info: blocking work, and a cache to free right after.
+    let guard = tokio::task::spawn_blocking(move || {
+        let _symbolizing = Symbolizing::begin();
+        pprof::ProfilerGuardBuilder::default()
+            .frequency(frequency as i32)
+            .build()
+    })
+    .await
+    .context("CPU profiler start task")?
+    .map_err(|e| {
+        ProfileError::Conflict(format!(
+            "the CPU profiler is busy ({e}); retry later or add force=true"
+        ))
+    })?;
     tracing::info!(seconds, frequency, format, "CPU profile started");
 
     // A newer request with force=true ends this profile early: it is still answered, with what
@@ -181,6 +191,7 @@ async fn profile(
     // Symbolization, encoding and rendering are CPU-heavy: keep them off the executor threads.
     let (body, duration) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let _held = held;
+        let _symbolizing = Symbolizing::begin();
         // The report must be built before the guard is dropped: dropping resets the samples.
         let report = guard.report().build().context("building the CPU report")?;
         drop(guard);

@@ -19,6 +19,7 @@ use crate::cpu::gzip;
 use crate::error::{ProfileError, parse_bounded, parse_choice, reject_unknown};
 use crate::jeheap::{self, ALLOC_SPACE, HeapProfile, INUSE_SPACE};
 use crate::metrics::{Outcome, record};
+use crate::symcache::Symbolizing;
 use crate::{svg, symbolize};
 
 /// Which view of the heap a route serves by default.
@@ -213,6 +214,7 @@ fn render(
     title: &str,
     empty: &str,
 ) -> Result<Vec<u8>, ProfileError> {
+    let _symbolizing = Symbolizing::begin();
     match format {
         "svg" => {
             let lines = symbolize::to_folded(profile, kind.value());

@@ -48,6 +48,7 @@ mod jeheap;
 mod metrics;
 mod svg;
 mod symbolize;
+mod symcache;
 
 use axum::Router;
 use axum::routing::get;

@@ -129,6 +129,49 @@ fn thread_cpu_time(thread: &std::thread::JoinHandle<u64>) -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
+/// Takes a profile and measures the CPU time the burner used while it was being sampled: from the
+/// profile's start (`time_nanos`) for its `duration_nanos`, read off a record of the burner's CPU
+/// clock taken every 2 ms during the request. (Starting and ending a profile parse the binary's
+/// debug info for symbols, which takes a while in a debug build; the burner runs on meanwhile, and
+/// on a loaded machine not at the same pace.)
+async fn sampled_cpu_time(burner: &std::thread::JoinHandle<u64>, query: &str) -> (Profile, f64) {
+    let now_nanos = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i64
+    };
+    let record = std::sync::Mutex::new(Vec::new());
+    let done = AtomicBool::new(false);
+    let p = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                let at = now_nanos();
+                let cpu = thread_cpu_time(burner);
+                record.lock().unwrap().push((at, cpu));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        let p = tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(take_profile(query))
+        });
+        done.store(true, Ordering::Relaxed);
+        p
+    });
+    let record = record.into_inner().unwrap();
+    let cpu_at = |t: i64| {
+        let i = record.partition_point(|&(at, _)| at <= t);
+        assert!(i > 0 && i < record.len(), "the record covers the profile");
+        let ((t0, c0), (t1, c1)) = (record[i - 1], record[i]);
+        c0 + (c1 - c0) * (t - t0) as f64 / (t1 - t0).max(1) as f64
+    };
+    let (from, to) = (
+        p.proto.time_nanos,
+        p.proto.time_nanos + p.proto.duration_nanos,
+    );
+    (p, cpu_at(to) - cpu_at(from))
+}
+
 fn check(p: &Profile, frequency: u64, cpu_seconds: f64) {
     let samples = burner_samples(&p.proto);
     let total: i64 = samples.iter().map(|(_, n)| n).sum();
@@ -181,17 +224,13 @@ async fn cpu_profile_names_true_leaf_and_rate_matches_samples() {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
 
-    let cpu_before = thread_cpu_time(&burner);
-    let p = take_profile("seconds=2&frequency=99").await;
-    let cpu = thread_cpu_time(&burner) - cpu_before;
+    let (p, cpu) = sampled_cpu_time(&burner, "seconds=2&frequency=99").await;
     assert_eq!(p.frequency_header, "99");
     check(&p, 99, cpu);
 
     // Above the kernel tick: clamped, and the response says so.
     let max = profiling::max_sampling_frequency();
-    let cpu_before = thread_cpu_time(&burner);
-    let p = take_profile("seconds=2&frequency=1000").await;
-    let cpu = thread_cpu_time(&burner) - cpu_before;
+    let (p, cpu) = sampled_cpu_time(&burner, "seconds=2&frequency=1000").await;
     if max < 1000 {
         assert!(
             p.frequency_header
