@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{ProfileError, parse_bounded, parse_choice, parse_flag, reject_unknown};
 use crate::metrics::{Outcome, record};
 use crate::svg;
-use crate::symcache::Symbolizing;
+use crate::symcache::{self, Symbolizing};
 
 const DEFAULT_SECONDS: u64 = 5;
 /// Go's `net/http/pprof` default for `/debug/pprof/profile`.
@@ -78,8 +78,16 @@ pub fn max_sampling_frequency() -> u64 {
 /// malloc. Calling this once at start-up, before other threads exist, runs that first handler on a
 /// thread that is only spinning. Later handlers do not allocate. Takes a few milliseconds of CPU.
 pub fn warm_up() {
-    // The first profile also symbolizes one backtrace: free that cache when done.
-    let _symbolizing = Symbolizing::begin();
+    // The first profile also symbolizes one backtrace: free that cache when done (nobody is
+    // profiling yet).
+    {
+        let _symbolizing = Symbolizing::begin();
+        build_unwinder();
+    }
+    symcache::free_now();
+}
+
+fn build_unwinder() {
     let Ok(guard) = pprof::ProfilerGuardBuilder::default()
         .frequency(max_sampling_frequency() as i32)
         .build()
