@@ -357,7 +357,7 @@ impl GlobalTimelines {
             .tombstones
             .lock()
             .expect("tombstones lock")
-            .remove(name)
+            .contains(name)
         {
             return Ok(());
         }
@@ -369,6 +369,10 @@ impl GlobalTimelines {
         if !self.no_sync {
             fsync_dir(&self.fs, &dir);
         }
+        self.tombstones
+            .lock()
+            .expect("tombstones lock")
+            .remove(name);
         Ok(())
     }
 
@@ -726,6 +730,50 @@ mod tests {
         let tl = reloaded.get(&g.ttid()).expect("the timeline survives");
         assert_eq!(tl.system_id(), 42);
         assert!(!fs.exists(&Path::new(DATADIR).join(TMP_DIR)));
+    }
+
+    /// A deletion cut by a power loss before any of its operations: afterwards the timeline is
+    /// either whole and served, or gone and tombstoned (a late greeting refused), never gone
+    /// without its tombstone (which a late proposer would recreate).
+    #[test]
+    fn a_deletion_cut_at_any_point_leaves_the_timeline_whole_or_tombstoned() {
+        let g = greeting(3);
+        let mut saw = (false, false);
+        for ops in 0.. {
+            let (sim, fs, timelines) = node();
+            timelines.get_or_create(&g, true).unwrap();
+            sim.arm_crash_after(ops);
+            timelines.delete_timeline(&g.ttid()).unwrap();
+            let cut = sim.crash_point_reached();
+            drop(timelines);
+            sim.power_loss(&mut |_| 0);
+            let reloaded =
+                GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false)
+                    .unwrap();
+            let present = reloaded.get(&g.ttid()).is_some();
+            let tombstoned = reloaded.is_tombstoned(&g.ttid());
+            assert!(present != tombstoned, "cut before op {ops}: present {present}, tombstoned {tombstoned}");
+            if !present {
+                assert!(matches!(
+                    reloaded.get_or_create(&g, true),
+                    Err(TimelineError::Deleted(_))
+                ));
+                let dir = Path::new(DATADIR)
+                    .join(g.ttid().tenant_id.to_string())
+                    .join(g.ttid().timeline_id.to_string());
+                assert!(!fs.exists(&dir), "cut before op {ops}: files left");
+            }
+            if present {
+                saw.0 = true;
+            } else {
+                saw.1 = true;
+            }
+            if !cut {
+                assert!(!present, "a finished deletion is durable");
+                break;
+            }
+        }
+        assert!(saw.0 && saw.1, "both outcomes were reached: {saw:?}");
     }
 
     /// Item 2 of issue 13: a process crash (kill -9, the abort after a failed fsync) keeps the
