@@ -748,11 +748,13 @@ mod tests {
             drop(timelines);
             sim.power_loss(&mut |_| 0);
             let reloaded =
-                GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false)
-                    .unwrap();
+                GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false).unwrap();
             let present = reloaded.get(&g.ttid()).is_some();
             let tombstoned = reloaded.is_tombstoned(&g.ttid());
-            assert!(present != tombstoned, "cut before op {ops}: present {present}, tombstoned {tombstoned}");
+            assert!(
+                present != tombstoned,
+                "cut before op {ops}: present {present}, tombstoned {tombstoned}"
+            );
             if !present {
                 assert!(matches!(
                     reloaded.get_or_create(&g, true),
