@@ -106,6 +106,35 @@ def test_http_data_routes_need_a_token_whose_scope_covers_them(authed, issuer):
     assert "JWT authentication on both ports" in sk.log()
 
 
+def test_operator_routes_need_the_safekeeperdata_scope(authed, issuer):
+    """Membership, create, delete, snapshot and pull change which nodes serve a timeline: a
+    tenant token, even of this tenant, is refused (403); a safekeeperdata token is let through."""
+    sk = authed
+    mine = issuer.token("tenant", TENANT)
+    data = issuer.token()
+    body = {"generation": 1, "members": [{"id": 1, "host": "127.0.0.1", "pg_port": sk.pg_port}]}
+    calls = [
+        ("PUT", f"{TIMELINE_ROUTE}/membership", body),
+        ("GET", f"{TIMELINE_ROUTE}/snapshot", None),
+        ("POST", f"/v1/tenant/{TENANT}/timeline", {"timeline_id": "x"}),
+        ("DELETE", f"/v1/tenant/{OTHER_TENANT}", None),
+    ]
+    for method, route, payload in calls:
+        for token in (None, mine):
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            r = requests.request(
+                method, f"{sk.http}{route}", json=payload, headers=headers, timeout=5
+            )
+            assert r.status_code == (403 if token else 401), (method, route, r.text)
+    headers = {"Authorization": f"Bearer {data}"}
+    r = requests.put(f"{sk.http}{TIMELINE_ROUTE}/membership", json=body, headers=headers, timeout=5)
+    assert r.status_code == 200 and r.json()["generation"] == 1, r.text
+    r = requests.post(
+        f"{sk.http}/v1/tenant/{TENANT}/timeline", json={"timeline_id": "x"}, headers=headers
+    )
+    assert r.status_code == 400, r.text
+
+
 def test_auth_ops_routes_flag_closes_status_metrics_and_profiles(
     safekeeper_factory, issuer, tmp_path
 ):

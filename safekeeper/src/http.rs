@@ -10,17 +10,18 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use axum::body::Bytes;
 use axum::error_handling::HandleErrorLayer;
 use axum::extract::rejection::RawPathParamsRejection;
-use axum::extract::{Path, RawPathParams, Request, State};
+use axum::extract::{Extension, Path, RawPathParams, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -28,11 +29,14 @@ use tower::limit::GlobalConcurrencyLimitLayer;
 use tower::load_shed::LoadShedLayer;
 use tower::{BoxError, ServiceBuilder};
 
-use crate::auth::{AuthError, JwtAuth, check_permission};
+use crate::auth::{AuthError, Claims, JwtAuth, Scope, check_permission};
 use crate::config::Conf;
-use crate::registry::GlobalTimelines;
-use crate::timeline::{TimelineError, TimelineStatus};
+use crate::pull::PullError;
+use crate::registry::{CreateTimeline, GlobalTimelines};
+use crate::timeline::{Timeline, TimelineError, TimelineStatus};
 use crate::tls::TlsConfig;
+use sk_core::safekeeper::SafeKeeperError;
+use sk_core::state::{Configuration, ServerInfo};
 use sk_core::types::{TenantId, TenantTimelineId};
 
 /// The one error type of our handlers: 4xx with the reason for caller mistakes, 500 with a
@@ -51,6 +55,10 @@ pub enum ApiError {
     /// 404: no such object.
     #[error("{0}")]
     NotFound(String),
+    /// 409: the request conflicts with the object's state (a membership that is not newer, a
+    /// timeline that exists already).
+    #[error("{0}")]
+    Conflict(String),
     /// 500: our fault; the details go to the log, not to the caller.
     #[error("internal error: {0}")]
     Internal(Box<dyn std::error::Error + Send + Sync>),
@@ -62,7 +70,11 @@ impl From<TimelineError> for ApiError {
             TimelineError::NotFound(ttid) => {
                 ApiError::NotFound(format!("timeline {ttid} not found"))
             }
-            TimelineError::BadSegmentSize(_) => ApiError::BadRequest(e.to_string()),
+            TimelineError::BadSegmentSize(_) | TimelineError::BadRequest(_) => {
+                ApiError::BadRequest(e.to_string())
+            }
+            TimelineError::Deleted(_) => ApiError::NotFound(e.to_string()),
+            TimelineError::Exists(_) => ApiError::Conflict(e.to_string()),
             TimelineError::Storage(_) | TimelineError::Acceptor { .. } => {
                 ApiError::Internal(e.into())
             }
@@ -91,6 +103,7 @@ impl IntoResponse for ApiError {
             ApiError::Forbidden(m) => (StatusCode::FORBIDDEN, format!("{m}\n")).into_response(),
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response(),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, format!("{m}\n")).into_response(),
+            ApiError::Conflict(m) => (StatusCode::CONFLICT, format!("{m}\n")).into_response(),
             ApiError::Internal(e) => {
                 tracing::error!("HTTP request failed: {e}");
                 (
@@ -190,10 +203,23 @@ async fn require_token(
 
 /// The data routes: timeline state (and, in the test build, the test hooks).
 pub fn data_routes(state: &AppState) -> Router<Arc<AppState>> {
-    let router = Router::new().route("/v1/timelines", get(timelines)).route(
-        "/v1/tenant/{tenant_id}/timeline/{timeline_id}",
-        get(timeline_status),
-    );
+    let router = Router::new()
+        .route("/v1/timelines", get(timelines))
+        .route("/v1/tenant/{tenant_id}", delete(delete_tenant))
+        .route("/v1/tenant/{tenant_id}/timeline", post(create_timeline))
+        .route(
+            "/v1/tenant/{tenant_id}/timeline/{timeline_id}",
+            get(timeline_status).delete(delete_timeline),
+        )
+        .route(
+            "/v1/tenant/{tenant_id}/timeline/{timeline_id}/membership",
+            put(set_membership),
+        )
+        .route(
+            "/v1/tenant/{tenant_id}/timeline/{timeline_id}/snapshot",
+            get(snapshot),
+        )
+        .route("/v1/pull_timeline", post(pull_timeline));
     // Only the `safekeeper-testing` binary mounts these (`Conf::test_hooks`); the real binary
     // answers 404 even when built with the feature.
     #[cfg(feature = "testing")]
@@ -335,23 +361,243 @@ async fn timelines(State(state): State<Arc<AppState>>) -> Json<Vec<TimelineStatu
     Json(state.timelines.all().iter().map(|t| t.status()).collect())
 }
 
+/// The timeline id of a route's path parameters (400 when malformed).
+fn parse_ttid(tenant_id: &str, timeline_id: &str) -> Result<TenantTimelineId, ApiError> {
+    let bad = |e: sk_core::types::IdParseError| ApiError::BadRequest(e.to_string());
+    Ok(TenantTimelineId {
+        tenant_id: tenant_id.parse().map_err(bad)?,
+        timeline_id: timeline_id.parse().map_err(bad)?,
+    })
+}
+
+/// The timeline of a route's path parameters (400 when malformed, 404 when absent).
+fn find_timeline(
+    state: &AppState,
+    tenant_id: &str,
+    timeline_id: &str,
+) -> Result<Arc<Timeline>, ApiError> {
+    let ttid = parse_ttid(tenant_id, timeline_id)?;
+    Ok(state
+        .timelines
+        .get(&ttid)
+        .ok_or(TimelineError::NotFound(ttid))?)
+}
+
+/// The operator routes (membership, create, delete, pull) change which nodes serve a timeline:
+/// with authentication on they need scope `safekeeperdata`; a `tenant` token is refused (403)
+/// even for its own tenant.
+fn require_admin(claims: &Option<Extension<Claims>>) -> Result<(), ApiError> {
+    match claims {
+        Some(Extension(c)) if c.scope != Scope::SafekeeperData => Err(ApiError::Forbidden(
+            "this operator route needs a token of scope safekeeperdata".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A JSON request body as `T`, or 400 with serde's reason.
+fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
+}
+
+/// Runs blocking work (fsyncs) off the async workers.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(e.into()))
+}
+
 async fn timeline_status(
     State(state): State<Arc<AppState>>,
     Path((tenant_id, timeline_id)): Path<(String, String)>,
 ) -> Result<Json<TimelineStatus>, ApiError> {
-    let ttid = TenantTimelineId {
-        tenant_id: tenant_id
+    Ok(Json(
+        find_timeline(&state, &tenant_id, &timeline_id)?.status(),
+    ))
+}
+
+/// `PUT /v1/tenant/{t}/timeline/{tl}/membership` with a JSON `Configuration`: switches the
+/// timeline to it, durably before the answer (the new status). 409 when it is not newer than
+/// the one in force, 400 when malformed.
+async fn set_membership(
+    State(state): State<Arc<AppState>>,
+    Path((tenant_id, timeline_id)): Path<(String, String)>,
+    claims: Option<Extension<Claims>>,
+    body: Bytes,
+) -> Result<Json<TimelineStatus>, ApiError> {
+    require_admin(&claims)?;
+    let tl = find_timeline(&state, &tenant_id, &timeline_id)?;
+    let mconf: Configuration = parse_body(&body)?;
+    let t = tl.clone();
+    match blocking(move || t.set_membership(mconf)).await? {
+        Ok(changed) => {
+            let _span = crate::timeline::span(&tl.ttid).entered();
+            tracing::info!(changed, mconf = ?tl.status().mconf, "membership set over HTTP");
+            Ok(Json(tl.status()))
+        }
+        Err(e @ SafeKeeperError::MembershipNotNewer { .. }) => {
+            Err(ApiError::Conflict(e.to_string()))
+        }
+        Err(e @ SafeKeeperError::InvalidMembership(_)) => Err(ApiError::BadRequest(e.to_string())),
+        Err(e) => Err(ApiError::Internal(e.into())),
+    }
+}
+
+/// The body of `POST /v1/tenant/{tenant_id}/timeline`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateRequest {
+    timeline_id: String,
+    system_id: u64,
+    pg_version: u32,
+    wal_seg_size: u32,
+    /// `X/Y`; absent: where the first proposer starts.
+    #[serde(default)]
+    start_lsn: Option<String>,
+    /// Absent: generation 0 (the first proposer's configuration is adopted).
+    #[serde(default)]
+    mconf: Option<Configuration>,
+}
+
+/// `POST /v1/tenant/{tenant_id}/timeline`: creates a timeline durably and clears its
+/// tombstone (and its tenant's). 201 with its status; 409 if it exists; 400 when invalid.
+async fn create_timeline(
+    State(state): State<Arc<AppState>>,
+    Path(tenant_id): Path<String>,
+    claims: Option<Extension<Claims>>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<TimelineStatus>), ApiError> {
+    require_admin(&claims)?;
+    let req: CreateRequest = parse_body(&body)?;
+    let ttid = parse_ttid(&tenant_id, &req.timeline_id)?;
+    let start_lsn = match &req.start_lsn {
+        Some(s) => s
             .parse()
-            .map_err(|e: sk_core::types::IdParseError| ApiError::BadRequest(e.to_string()))?,
-        timeline_id: timeline_id
-            .parse()
-            .map_err(|e: sk_core::types::IdParseError| ApiError::BadRequest(e.to_string()))?,
+            .map_err(|e| ApiError::BadRequest(format!("start_lsn: {e}")))?,
+        None => sk_core::types::Lsn::INVALID,
     };
-    let tl = state
-        .timelines
-        .get(&ttid)
-        .ok_or(TimelineError::NotFound(ttid))?;
-    Ok(Json(tl.status()))
+    if req.system_id == 0 || req.pg_version == 0 {
+        return Err(ApiError::BadRequest(
+            "system_id and pg_version must be non-zero".into(),
+        ));
+    }
+    let create = CreateTimeline {
+        ttid,
+        server: ServerInfo {
+            pg_version: req.pg_version,
+            system_id: req.system_id,
+            wal_seg_size: req.wal_seg_size,
+        },
+        start_lsn,
+        mconf: req.mconf.unwrap_or_default(),
+    };
+    let timelines = state.timelines.clone();
+    let tl = blocking(move || timelines.create_explicit(&create)).await??;
+    Ok((StatusCode::CREATED, Json(tl.status())))
+}
+
+#[derive(Serialize)]
+struct Deleted {
+    /// Whether there was something to delete (the tombstone is written either way).
+    existed: bool,
+    /// Timelines removed (tenant deletion).
+    timelines: usize,
+}
+
+/// `DELETE /v1/tenant/{t}/timeline/{tl}`: a durable tombstone, the connections on it end, its
+/// files go durably. 200 also when it did not exist (then only the tombstone is written).
+async fn delete_timeline(
+    State(state): State<Arc<AppState>>,
+    Path((tenant_id, timeline_id)): Path<(String, String)>,
+    claims: Option<Extension<Claims>>,
+) -> Result<Json<Deleted>, ApiError> {
+    require_admin(&claims)?;
+    let ttid = parse_ttid(&tenant_id, &timeline_id)?;
+    let timelines = state.timelines.clone();
+    let existed = blocking(move || timelines.delete_timeline(&ttid)).await??;
+    Ok(Json(Deleted {
+        existed,
+        timelines: usize::from(existed),
+    }))
+}
+
+/// `DELETE /v1/tenant/{t}`: every timeline of the tenant, with one tombstone for the tenant.
+async fn delete_tenant(
+    State(state): State<Arc<AppState>>,
+    Path(tenant_id): Path<String>,
+    claims: Option<Extension<Claims>>,
+) -> Result<Json<Deleted>, ApiError> {
+    require_admin(&claims)?;
+    let tenant_id: TenantId = tenant_id
+        .parse()
+        .map_err(|e: sk_core::types::IdParseError| ApiError::BadRequest(e.to_string()))?;
+    let timelines = state.timelines.clone();
+    let n = blocking(move || timelines.delete_tenant(&tenant_id)).await??;
+    Ok(Json(Deleted {
+        existed: n > 0,
+        timelines: n,
+    }))
+}
+
+/// `GET /v1/tenant/{t}/timeline/{tl}/snapshot`: the timeline's control file and WAL, streamed
+/// (format in [`crate::pull`]).
+async fn snapshot(
+    State(state): State<Arc<AppState>>,
+    Path((tenant_id, timeline_id)): Path<(String, String)>,
+    claims: Option<Extension<Claims>>,
+) -> Result<Response, ApiError> {
+    require_admin(&claims)?;
+    let tl = find_timeline(&state, &tenant_id, &timeline_id)?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        crate::pull::snapshot_body(tl),
+    )
+        .into_response())
+}
+
+/// The body of `POST /v1/pull_timeline`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PullRequest {
+    tenant_id: String,
+    timeline_id: String,
+    /// The peers' HTTP addresses (`host:port`).
+    http_hosts: Vec<String>,
+}
+
+/// `POST /v1/pull_timeline`: copies a timeline from the most advanced of a majority of peers
+/// and serves it from then on (see [`crate::pull`]). 409 if it exists here; 502 when the peers
+/// do not give a valid, current copy.
+async fn pull_timeline(
+    State(state): State<Arc<AppState>>,
+    claims: Option<Extension<Claims>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    require_admin(&claims)?;
+    let req: PullRequest = parse_body(&body)?;
+    let ttid = parse_ttid(&req.tenant_id, &req.timeline_id)?;
+    let timelines = state.timelines.clone();
+    let span = crate::timeline::span(&ttid);
+    let pulled = blocking(move || {
+        let _span = span.entered();
+        crate::pull::pull_timeline(&timelines, ttid, &req.http_hosts)
+    })
+    .await?;
+    match pulled {
+        Ok(p) => Ok(Json(p).into_response()),
+        Err(PullError::Exists(_)) | Err(PullError::Local(TimelineError::Exists(_))) => Err(
+            ApiError::Conflict(format!("timeline {ttid} exists on this safekeeper already")),
+        ),
+        Err(PullError::BadRequest(m)) => Err(ApiError::BadRequest(m)),
+        Err(PullError::Peer(m)) => {
+            tracing::warn!("pull_timeline {ttid}: {m}");
+            Ok((StatusCode::BAD_GATEWAY, format!("{m}\n")).into_response())
+        }
+        Err(PullError::Local(e)) => Err(e.into()),
+    }
 }
 
 async fn metrics() -> Result<Response, ApiError> {

@@ -22,6 +22,7 @@ pub mod http;
 pub mod limits;
 pub mod logging;
 pub mod metrics;
+pub mod pull;
 pub mod receive_wal;
 pub mod registry;
 pub mod send_wal;

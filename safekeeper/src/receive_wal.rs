@@ -234,6 +234,15 @@ where
                     .await;
                 break Ok(());
             }
+            _ = tl.deleted().cancelled() => {
+                let _ = reply_tx
+                    .send(Outgoing::Error(ErrorFields::fatal(
+                        sqlstate::UNDEFINED_OBJECT,
+                        format!("timeline {} was deleted on this safekeeper", tl.ttid),
+                    )))
+                    .await;
+                break Ok(());
+            }
         }
     };
     // Closing the queue makes the acceptor flush what it has and exit; then the writer drains.

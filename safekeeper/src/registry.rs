@@ -26,7 +26,7 @@ use prometheus::{IntGaugeVec, Opts};
 use sk_core::protocol::ProposerGreeting;
 use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
 use sk_core::storage::durable::fsync_dir;
-use sk_core::storage::fs::Fs;
+use sk_core::storage::fs::{Fs, OpenMode};
 use sk_core::types::{NodeId, TenantId, TenantTimelineId};
 
 use crate::control_file::{CONTROL_FILE_NAME, FileControlStore};
@@ -34,8 +34,30 @@ use crate::timeline::{Timeline, TimelineError};
 
 /// How often the timeline manager looks for in-memory state to persist.
 const MANAGER_TICK: Duration = Duration::from_millis(300);
-/// Where new timelines are built before they are renamed into place.
+/// Where new timelines are built before they are renamed into place, and where deleted ones
+/// are moved before they are removed. Emptied at start-up.
 const TMP_DIR: &str = "tmp";
+/// Tombstones of deleted timelines (`<tenant_id>_<timeline_id>`) and tenants (`<tenant_id>`):
+/// empty files, durable before a deletion starts and cleared by an explicit create.
+const TOMBSTONE_DIR: &str = "tombstones";
+
+/// The tombstone name of a timeline.
+fn timeline_tombstone(ttid: &TenantTimelineId) -> String {
+    format!("{}_{}", ttid.tenant_id, ttid.timeline_id)
+}
+
+/// What `POST /v1/tenant/{tenant_id}/timeline` creates.
+#[derive(Clone, Debug)]
+pub struct CreateTimeline {
+    /// The timeline.
+    pub ttid: TenantTimelineId,
+    /// The PostgreSQL server (system id, version, segment size).
+    pub server: ServerInfo,
+    /// Where the timeline's WAL begins (`Lsn::INVALID`: where its first proposer starts).
+    pub start_lsn: sk_core::types::Lsn,
+    /// The membership configuration it starts with.
+    pub mconf: Configuration,
+}
 
 /// All timelines of this node.
 pub struct GlobalTimelines {
@@ -44,8 +66,10 @@ pub struct GlobalTimelines {
     node_id: NodeId,
     no_sync: bool,
     map: Mutex<HashMap<TenantTimelineId, Arc<Timeline>>>,
-    /// Serializes creations (a blocking section: directory creation and fsyncs).
+    /// Serializes creations and deletions (a blocking section: directory creation and fsyncs).
     create_lock: Mutex<()>,
+    /// Tombstone names ([`TOMBSTONE_DIR`]) of deleted timelines and tenants.
+    tombstones: Mutex<std::collections::HashSet<String>>,
 }
 
 impl GlobalTimelines {
@@ -74,6 +98,15 @@ impl GlobalTimelines {
             fs.remove_dir_all(&tmp)
                 .map_err(|e| TimelineError::io(format!("removing {}", tmp.display()), e))?;
         }
+        let tombstone_dir = datadir.join(TOMBSTONE_DIR);
+        let mut tombstones = std::collections::HashSet::new();
+        if fs.is_dir(&tombstone_dir) {
+            for p in list_dir_sorted(&fs, &tombstone_dir)? {
+                if let Some(n) = p.file_name().and_then(|n| n.to_str()) {
+                    tombstones.insert(n.to_string());
+                }
+            }
+        }
         let mut map = HashMap::new();
         for tenant in list_dir_sorted(&fs, datadir)? {
             let Some(name) = tenant.file_name().and_then(|n| n.to_str()) else {
@@ -82,11 +115,21 @@ impl GlobalTimelines {
             if !fs.is_dir(&tenant) || name.parse::<TenantId>().is_err() {
                 continue;
             }
+            if tombstones.contains(name) {
+                // A tenant deletion interrupted by a crash: finish it.
+                remove_durably(&fs, datadir, &tenant, no_sync)?;
+                continue;
+            }
             for dir in list_dir_sorted(&fs, &tenant)? {
                 if !fs.exists(&dir.join(CONTROL_FILE_NAME)) {
                     continue;
                 }
                 let timeline_name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                if tombstones.contains(&format!("{name}_{timeline_name}")) {
+                    // A timeline deletion interrupted by a crash: finish it.
+                    remove_durably(&fs, datadir, &dir, no_sync)?;
+                    continue;
+                }
                 let _span = tracing::info_span!(
                     "timeline",
                     tenant_id = %name,
@@ -105,6 +148,7 @@ impl GlobalTimelines {
             no_sync,
             map: Mutex::new(map),
             create_lock: Mutex::new(()),
+            tombstones: Mutex::new(tombstones),
         })
     }
 
@@ -152,7 +196,21 @@ impl GlobalTimelines {
         if let Some(tl) = self.get(&ttid) {
             return Ok(tl);
         }
-        let tl = Arc::new(self.create(greeting)?);
+        if self.is_tombstoned(&ttid) {
+            return Err(TimelineError::Deleted(ttid));
+        }
+        let tl = Arc::new(self.create(&CreateTimeline {
+            ttid,
+            server: ServerInfo {
+                pg_version: greeting.pg_version,
+                system_id: greeting.system_id,
+                wal_seg_size: greeting.wal_seg_size,
+            },
+            start_lsn: sk_core::types::Lsn::INVALID,
+            // Membership starts empty (generation 0); the greeting itself is processed next
+            // and adopts the proposer's configuration through the usual checks.
+            mconf: Configuration::default(),
+        })?);
         self.map
             .lock()
             .expect("timelines lock")
@@ -161,15 +219,220 @@ impl GlobalTimelines {
         Ok(tl)
     }
 
+    /// Whether `ttid` or its tenant was deleted here (and not created explicitly since).
+    fn is_tombstoned(&self, ttid: &TenantTimelineId) -> bool {
+        let t = self.tombstones.lock().expect("tombstones lock");
+        t.contains(&ttid.tenant_id.to_string()) || t.contains(&timeline_tombstone(ttid))
+    }
+
+    /// The operator's create (`POST /v1/tenant/{t}/timeline`): makes `req`'s timeline durably
+    /// and clears the tombstones of the timeline and of its tenant. Refuses one that exists.
+    /// Blocking.
+    pub fn create_explicit(&self, req: &CreateTimeline) -> Result<Arc<Timeline>, TimelineError> {
+        if !is_valid_seg_size(req.server.wal_seg_size as u64) {
+            return Err(TimelineError::BadSegmentSize(req.server.wal_seg_size));
+        }
+        req.mconf.validate().map_err(TimelineError::BadRequest)?;
+        let _creating = self.create_lock.lock().expect("create lock");
+        if self.get(&req.ttid).is_some() {
+            return Err(TimelineError::Exists(req.ttid));
+        }
+        // A crash after the rename and before the tombstones are cleared leaves a tombstoned
+        // directory, removed at start-up: this create was not acknowledged.
+        let tl = Arc::new(self.create(req)?);
+        for name in [
+            req.ttid.tenant_id.to_string(),
+            timeline_tombstone(&req.ttid),
+        ] {
+            self.clear_tombstone(&name)?;
+        }
+        self.map
+            .lock()
+            .expect("timelines lock")
+            .insert(req.ttid, tl.clone());
+        tracing::info!(mconf = ?req.mconf, start_lsn = %req.start_lsn, "timeline created over HTTP");
+        Ok(tl)
+    }
+
+    /// The file system the timelines live on.
+    pub fn fs(&self) -> &Fs {
+        &self.fs
+    }
+
+    /// Whether fsyncs are skipped (`--no-sync`, tests only).
+    pub fn no_sync(&self) -> bool {
+        self.no_sync
+    }
+
+    /// Where a pull of `ttid` builds the timeline (under `tmp/`, emptied at start-up).
+    pub fn pull_tmp_dir(&self, ttid: &TenantTimelineId) -> PathBuf {
+        self.datadir
+            .join(TMP_DIR)
+            .join(format!("pull_{}_{}", ttid.tenant_id, ttid.timeline_id))
+    }
+
+    /// Installs a pulled timeline built (and made durable) in `tmp`: renames it into place
+    /// durably, clears its tombstones, opens it (which verifies it again) and registers it.
+    /// Refuses if the timeline appeared meanwhile, or if it opens with another end of WAL than
+    /// `flush`. Blocking.
+    pub fn install_pulled(
+        &self,
+        ttid: TenantTimelineId,
+        tmp: &Path,
+        flush: sk_core::types::Lsn,
+    ) -> Result<Arc<Timeline>, TimelineError> {
+        let fs = &self.fs;
+        let _creating = self.create_lock.lock().expect("create lock");
+        if self.get(&ttid).is_some() {
+            let _ = fs.remove_dir_all(tmp);
+            return Err(TimelineError::Exists(ttid));
+        }
+        let tenant_dir = self.datadir.join(ttid.tenant_id.to_string());
+        let new_tenant = !fs.exists(&tenant_dir);
+        fs.create_dir_all(&tenant_dir)
+            .map_err(|e| TimelineError::io(format!("creating {}", tenant_dir.display()), e))?;
+        let dir = tenant_dir.join(ttid.timeline_id.to_string());
+        if fs.exists(&dir) {
+            // Files of a timeline this node does not serve (its deletion was interrupted).
+            remove_durably(fs, &self.datadir, &dir, self.no_sync)?;
+        }
+        fs.rename(tmp, &dir).map_err(|e| {
+            TimelineError::io(
+                format!("renaming {} to {}", tmp.display(), dir.display()),
+                e,
+            )
+        })?;
+        if !self.no_sync {
+            fsync_dir(fs, &tenant_dir);
+            if new_tenant {
+                fsync_dir(fs, &self.datadir);
+            }
+        }
+        for name in [ttid.tenant_id.to_string(), timeline_tombstone(&ttid)] {
+            self.clear_tombstone(&name)?;
+        }
+        let tl = Arc::new(Timeline::open(fs, &dir, self.node_id, self.no_sync)?);
+        if tl.positions().flush_lsn != flush {
+            return Err(TimelineError::BadRequest(format!(
+                "the pulled timeline opened with its WAL ending at {}, the snapshot said {flush}",
+                tl.positions().flush_lsn
+            )));
+        }
+        self.map
+            .lock()
+            .expect("timelines lock")
+            .insert(ttid, tl.clone());
+        tracing::info!(%ttid, %flush, "pulled timeline installed");
+        Ok(tl)
+    }
+
+    /// Writes tombstone `name` durably (an empty file, its directory entry fsynced).
+    fn write_tombstone(&self, name: &str) -> Result<(), TimelineError> {
+        let fs = &self.fs;
+        let dir = self.datadir.join(TOMBSTONE_DIR);
+        let new_dir = !fs.exists(&dir);
+        fs.create_dir_all(&dir)
+            .map_err(|e| TimelineError::io(format!("creating {}", dir.display()), e))?;
+        let path = dir.join(name);
+        let file = fs
+            .open(&path, OpenMode::CreateTruncate)
+            .map_err(|e| TimelineError::io(format!("writing {}", path.display()), e))?;
+        drop(file);
+        if !self.no_sync {
+            fsync_dir(fs, &dir);
+            if new_dir {
+                fsync_dir(fs, &self.datadir);
+            }
+        }
+        self.tombstones
+            .lock()
+            .expect("tombstones lock")
+            .insert(name.to_string());
+        Ok(())
+    }
+
+    /// Removes tombstone `name` durably, if present.
+    fn clear_tombstone(&self, name: &str) -> Result<(), TimelineError> {
+        if !self
+            .tombstones
+            .lock()
+            .expect("tombstones lock")
+            .contains(name)
+        {
+            return Ok(());
+        }
+        let dir = self.datadir.join(TOMBSTONE_DIR);
+        let path = dir.join(name);
+        self.fs
+            .remove_file(&path)
+            .map_err(|e| TimelineError::io(format!("removing {}", path.display()), e))?;
+        if !self.no_sync {
+            fsync_dir(&self.fs, &dir);
+        }
+        self.tombstones
+            .lock()
+            .expect("tombstones lock")
+            .remove(name);
+        Ok(())
+    }
+
+    /// The operator's delete of one timeline: a durable tombstone first (a late proposer
+    /// cannot recreate it, a crash midway finishes the deletion at start-up), then its
+    /// connections end, then its directory goes durably. Returns whether it existed. Blocking.
+    pub fn delete_timeline(&self, ttid: &TenantTimelineId) -> Result<bool, TimelineError> {
+        let _deleting = self.create_lock.lock().expect("create lock");
+        self.write_tombstone(&timeline_tombstone(ttid))?;
+        let tl = self.map.lock().expect("timelines lock").remove(ttid);
+        if let Some(tl) = &tl {
+            tl.mark_deleted();
+        }
+        let dir = self
+            .datadir
+            .join(ttid.tenant_id.to_string())
+            .join(ttid.timeline_id.to_string());
+        let existed = self.fs.exists(&dir);
+        if existed {
+            remove_durably(&self.fs, &self.datadir, &dir, self.no_sync)?;
+        }
+        tracing::info!(%ttid, existed, "timeline deleted over HTTP");
+        Ok(existed || tl.is_some())
+    }
+
+    /// The operator's delete of a whole tenant, as [`GlobalTimelines::delete_timeline`] with
+    /// one tombstone for the tenant (any timeline of it, known here or not). Returns how many
+    /// timelines it had here. Blocking.
+    pub fn delete_tenant(&self, tenant_id: &TenantId) -> Result<usize, TimelineError> {
+        let _deleting = self.create_lock.lock().expect("create lock");
+        self.write_tombstone(&tenant_id.to_string())?;
+        let gone: Vec<Arc<Timeline>> = {
+            let mut map = self.map.lock().expect("timelines lock");
+            let ids: Vec<_> = map
+                .keys()
+                .filter(|t| t.tenant_id == *tenant_id)
+                .copied()
+                .collect();
+            ids.iter().filter_map(|t| map.remove(t)).collect()
+        };
+        for tl in &gone {
+            tl.mark_deleted();
+        }
+        let dir = self.datadir.join(tenant_id.to_string());
+        if self.fs.exists(&dir) {
+            remove_durably(&self.fs, &self.datadir, &dir, self.no_sync)?;
+        }
+        tracing::info!(%tenant_id, timelines = gone.len(), "tenant deleted over HTTP");
+        Ok(gone.len())
+    }
+
     /// Builds the directory of a new timeline under `tmp/`, makes its control file and its
     /// entries durable, renames it into its tenant directory durably, and opens it.
-    fn create(&self, g: &ProposerGreeting) -> Result<Timeline, TimelineError> {
+    fn create(&self, req: &CreateTimeline) -> Result<Timeline, TimelineError> {
         let fs = &self.fs;
         let io = |what: &str, path: &Path| {
             let context = format!("{what} {}", path.display());
             move |e| TimelineError::io(context, e)
         };
-        let ttid = g.ttid();
+        let ttid = req.ttid;
         let tmp = self
             .datadir
             .join(TMP_DIR)
@@ -182,19 +445,17 @@ impl GlobalTimelines {
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        // Membership starts empty (generation 0); the greeting itself is processed next and
-        // adopts the proposer's configuration through the usual checks.
-        let state = TimelinePersistentState::new(
+        let mut state = TimelinePersistentState::new(
             ttid.tenant_id,
             ttid.timeline_id,
-            Configuration::default(),
-            ServerInfo {
-                pg_version: g.pg_version,
-                system_id: g.system_id,
-                wal_seg_size: g.wal_seg_size,
-            },
+            req.mconf.clone(),
+            req.server.clone(),
             created,
         );
+        if req.start_lsn.is_valid() {
+            state.timeline_start_lsn = req.start_lsn;
+            state.local_start_lsn = req.start_lsn;
+        }
         FileControlStore::create_new_in(fs.clone(), &tmp, state, self.no_sync)?;
         let tenant_dir = self.datadir.join(ttid.tenant_id.to_string());
         let new_tenant = !fs.exists(&tenant_dir);
@@ -252,6 +513,32 @@ impl GlobalTimelines {
             }
         }
     }
+}
+
+/// Removes directory `dir` durably: renamed into `<datadir>/tmp/` (atomic; its parent's entry
+/// fsynced), then removed (a crash leaves it in `tmp/`, emptied at start-up).
+fn remove_durably(fs: &Fs, datadir: &Path, dir: &Path, no_sync: bool) -> Result<(), TimelineError> {
+    let parent = dir.parent().unwrap_or(datadir);
+    let tmp_dir = datadir.join(TMP_DIR);
+    fs.create_dir_all(&tmp_dir)
+        .map_err(|e| TimelineError::io(format!("creating {}", tmp_dir.display()), e))?;
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("dir");
+    let target = tmp_dir.join(format!("deleting_{name}_{nanos}"));
+    fs.rename(dir, &target).map_err(|e| {
+        TimelineError::io(
+            format!("renaming {} to {}", dir.display(), target.display()),
+            e,
+        )
+    })?;
+    if !no_sync {
+        fsync_dir(fs, parent);
+    }
+    fs.remove_dir_all(&target)
+        .map_err(|e| TimelineError::io(format!("removing {}", target.display()), e))
 }
 
 /// The entries of directory `dir`, as paths, in name order.
@@ -443,6 +730,52 @@ mod tests {
         let tl = reloaded.get(&g.ttid()).expect("the timeline survives");
         assert_eq!(tl.system_id(), 42);
         assert!(!fs.exists(&Path::new(DATADIR).join(TMP_DIR)));
+    }
+
+    /// A deletion cut by a power loss before any of its operations: afterwards the timeline is
+    /// either whole and served, or gone and tombstoned (a late greeting refused), never gone
+    /// without its tombstone (which a late proposer would recreate).
+    #[test]
+    fn a_deletion_cut_at_any_point_leaves_the_timeline_whole_or_tombstoned() {
+        let g = greeting(3);
+        let mut saw = (false, false);
+        for ops in 0.. {
+            let (sim, fs, timelines) = node();
+            timelines.get_or_create(&g, true).unwrap();
+            sim.arm_crash_after(ops);
+            timelines.delete_timeline(&g.ttid()).unwrap();
+            let cut = sim.crash_point_reached();
+            drop(timelines);
+            sim.power_loss(&mut |_| 0);
+            let reloaded =
+                GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false).unwrap();
+            let present = reloaded.get(&g.ttid()).is_some();
+            let tombstoned = reloaded.is_tombstoned(&g.ttid());
+            assert!(
+                present != tombstoned,
+                "cut before op {ops}: present {present}, tombstoned {tombstoned}"
+            );
+            if !present {
+                assert!(matches!(
+                    reloaded.get_or_create(&g, true),
+                    Err(TimelineError::Deleted(_))
+                ));
+                let dir = Path::new(DATADIR)
+                    .join(g.ttid().tenant_id.to_string())
+                    .join(g.ttid().timeline_id.to_string());
+                assert!(!fs.exists(&dir), "cut before op {ops}: files left");
+            }
+            if present {
+                saw.0 = true;
+            } else {
+                saw.1 = true;
+            }
+            if !cut {
+                assert!(!present, "a finished deletion is durable");
+                break;
+            }
+        }
+        assert!(saw.0 && saw.1, "both outcomes were reached: {saw:?}");
     }
 
     /// Item 2 of issue 13: a process crash (kill -9, the abort after a failed fsync) keeps the

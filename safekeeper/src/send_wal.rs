@@ -268,6 +268,12 @@ where
                     "the safekeeper is shutting down",
                 )));
             }
+            _ = tl.deleted().cancelled() => {
+                return Err(Ending::Error(ErrorFields::fatal(
+                    sqlstate::UNDEFINED_OBJECT,
+                    format!("timeline {} was deleted on this safekeeper", tl.ttid),
+                )));
+            }
         }
     }
 }

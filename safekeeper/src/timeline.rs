@@ -16,10 +16,12 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
 use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
+use sk_core::state::{Configuration, TimelinePersistentState};
 use sk_core::storage;
 use sk_core::storage::fs::Fs;
 use sk_core::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::control_file::FileControlStore;
 use crate::wal_store::{WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
@@ -96,6 +98,8 @@ pub struct TimelineStatus {
     pub wal_seg_size: u32,
     /// Membership configuration generation.
     pub generation: u32,
+    /// The membership configuration in force.
+    pub mconf: Configuration,
     /// The generation the newest term of `term_history` was elected in.
     pub elected_generation: u32,
     /// Connected proposers.
@@ -128,6 +132,11 @@ pub struct Timeline {
     proposers: AtomicUsize,
     readers: AtomicUsize,
     last_persist: Mutex<Instant>,
+    /// Cancelled when the timeline is deleted: its connections end, its acceptor refuses
+    /// every message.
+    deleted: CancellationToken,
+    /// Snapshots in transfer (see [`Timeline::hold_wal`]).
+    wal_holds: AtomicUsize,
     /// Test hook: runs in a walsender between its term check and its WAL read.
     #[cfg(test)]
     pub(crate) before_wal_read: Mutex<Option<Box<dyn FnMut() + Send>>>,
@@ -188,6 +197,8 @@ impl Timeline {
             proposers: AtomicUsize::new(0),
             readers: AtomicUsize::new(0),
             last_persist: Mutex::new(Instant::now()),
+            deleted: CancellationToken::new(),
+            wal_holds: AtomicUsize::new(0),
             #[cfg(test)]
             before_wal_read: Mutex::new(None),
         })
@@ -204,6 +215,13 @@ impl Timeline {
         msg: &ProposerAcceptorMessage,
     ) -> Result<Option<AcceptorProposerMessage>, SafeKeeperError> {
         let mut acceptor = self.lock();
+        if self.deleted.is_cancelled() {
+            return Err(storage::Error::Rejected(format!(
+                "timeline {} was deleted on this safekeeper",
+                self.ttid
+            ))
+            .into());
+        }
         let result = acceptor.process_msg(msg);
         let now = positions_of(&acceptor);
         drop(acceptor);
@@ -213,6 +231,52 @@ impl Timeline {
             changed
         });
         result
+    }
+
+    /// A consistent starting point for a snapshot ([`crate::pull`]), read under the acceptor
+    /// lock: the durable state, the term, and the WAL held here, `[start, flush)`.
+    pub fn snapshot_point(&self) -> SnapshotPoint {
+        let a = self.lock();
+        let state = a.state().clone();
+        let start = state.local_start_lsn.max(state.timeline_start_lsn);
+        let flush = a.flush_lsn();
+        SnapshotPoint {
+            term: a.term(),
+            start: start.min(flush),
+            flush,
+            state,
+        }
+    }
+
+    /// Keeps this timeline's WAL from being removed until the guard drops (a snapshot in
+    /// transfer). WAL removal must check [`Timeline::wal_removal_held`].
+    pub fn hold_wal(self: &Arc<Self>) -> WalHold {
+        self.wal_holds.fetch_add(1, Ordering::SeqCst);
+        WalHold { tl: self.clone() }
+    }
+
+    /// Whether a snapshot in transfer needs the WAL kept.
+    pub fn wal_removal_held(&self) -> bool {
+        self.wal_holds.load(Ordering::SeqCst) > 0
+    }
+
+    /// Marks the timeline deleted: waits for a `process_msg` in progress, then every later
+    /// message is refused and [`Timeline::deleted`] fires (connections end with an error).
+    pub fn mark_deleted(&self) {
+        let _acceptor = self.lock();
+        self.deleted.cancel();
+    }
+
+    /// Fires when the timeline is deleted.
+    pub fn deleted(&self) -> &CancellationToken {
+        &self.deleted
+    }
+
+    /// Switches the timeline to membership configuration `mconf`, durably before it returns
+    /// (see `SafeKeeper::set_membership`: only forward). Returns whether it changed anything.
+    /// Blocking (a control-file write and fsync).
+    pub fn set_membership(&self, mconf: Configuration) -> Result<bool, SafeKeeperError> {
+        self.lock().set_membership(mconf)
     }
 
     /// The latest positions.
@@ -304,6 +368,7 @@ impl Timeline {
             pg_version: s.server.pg_version,
             wal_seg_size: s.server.wal_seg_size,
             generation: s.mconf.generation.0,
+            mconf: s.mconf.clone(),
             elected_generation: s.acceptor_state.elected_generation.0,
             proposers: self.proposers.load(Ordering::Relaxed),
             readers: self.readers.load(Ordering::Relaxed),
@@ -338,6 +403,29 @@ fn positions_of(a: &Acceptor) -> Positions {
         last_log_term: a.last_log_term(),
         flush_lsn: a.flush_lsn(),
         commit_lsn: a.commit_lsn().min(a.flush_lsn()),
+    }
+}
+
+/// Where a snapshot starts: see [`Timeline::snapshot_point`].
+pub struct SnapshotPoint {
+    /// The durable state (what the control file holds).
+    pub state: TimelinePersistentState,
+    /// The acceptor's term: the snapshot's WAL is read in it (a new term aborts the snapshot).
+    pub term: Term,
+    /// The first WAL byte held here.
+    pub start: Lsn,
+    /// The durable end of WAL.
+    pub flush: Lsn,
+}
+
+/// Keeps a timeline's WAL from removal while it lives.
+pub struct WalHold {
+    tl: Arc<Timeline>,
+}
+
+impl Drop for WalHold {
+    fn drop(&mut self) {
+        self.tl.wal_holds.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -392,6 +480,18 @@ pub enum TimelineError {
     /// No such timeline, and the proposer did not allow creating it.
     #[error("timeline {0} does not exist (and the proposer did not allow creating it)")]
     NotFound(TenantTimelineId),
+    /// The timeline (or its tenant) was deleted here; only an explicit create brings it back.
+    #[error(
+        "timeline {0} was deleted on this safekeeper; only an explicit create \
+         (POST /v1/tenant/{{tenant_id}}/timeline) serves it again"
+    )]
+    Deleted(TenantTimelineId),
+    /// An explicit create of a timeline that exists.
+    #[error("timeline {0} exists already")]
+    Exists(TenantTimelineId),
+    /// A create request that is not valid.
+    #[error("{0}")]
+    BadRequest(String),
     /// A greeting asked for a segment size PostgreSQL does not support.
     #[error("invalid WAL segment size {0}: must be a power of two from 1 MiB to 1 GiB")]
     BadSegmentSize(u32),
@@ -425,6 +525,9 @@ impl TimelineError {
     pub fn sqlstate(&self) -> &'static str {
         match self {
             TimelineError::NotFound(_)
+            | TimelineError::Deleted(_)
+            | TimelineError::Exists(_)
+            | TimelineError::BadRequest(_)
             | TimelineError::BadSegmentSize(_)
             | TimelineError::Storage(
                 storage::Error::Corruption { .. }

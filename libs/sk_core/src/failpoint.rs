@@ -6,9 +6,11 @@
 //! - `wal-write-enospc`: every WAL append fails with ENOSPC before touching the file;
 //! - `wal-fsync-error`: the next WAL or control-file fsync fails (and the process aborts, as it
 //!   must after a failed fsync).
+//! - `pull-slow`: a `pull_timeline` sleeps 100 ms after each MiB it receives (so a test can
+//!   kill the puller mid-transfer).
 
 /// Every failpoint the code checks.
-pub const KNOWN: &[&str] = &["wal-write-enospc", "wal-fsync-error"];
+pub const KNOWN: &[&str] = &["wal-write-enospc", "wal-fsync-error", "pull-slow"];
 
 #[cfg(feature = "testing")]
 static ACTIVE: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());

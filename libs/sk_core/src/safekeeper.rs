@@ -19,7 +19,7 @@ use crate::protocol::{
     AcceptorGreeting, AcceptorProposerMessage, AppendRequest, AppendResponse, HotStandbyFeedback,
     ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest, VoteResponse,
 };
-use crate::state::{Configuration, SafekeeperId, TimelinePersistentState};
+use crate::state::{Configuration, TimelinePersistentState};
 use crate::storage::{self, ControlStore, WalStore};
 use crate::types::{
     Generation, Lsn, NodeId, TenantTimelineId, Term, TermHistory, TermHistoryError,
@@ -363,18 +363,9 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
                 theirs: mconf.generation,
             });
         }
-        let valid_half = |half: &[SafekeeperId]| {
-            let mut ids: Vec<NodeId> = half.iter().map(|m| m.id).collect();
-            ids.sort_unstable();
-            ids.dedup();
-            !half.is_empty() && ids.len() == half.len()
-        };
-        if !valid_half(&mconf.members) || !mconf.new_members.as_deref().is_none_or(valid_half) {
-            return Err(SafeKeeperError::InvalidMembership(format!(
-                "generation {}: each half of the configuration needs members with unique node ids",
-                mconf.generation
-            )));
-        }
+        mconf
+            .validate()
+            .map_err(SafeKeeperError::InvalidMembership)?;
         let mut s = self.state_with_inmem();
         s.mconf = mconf;
         self.control.persist(&s)?;

@@ -4,7 +4,7 @@
 use crate::types::{Generation, Lsn, NodeId, TenantId, Term, TermHistory, TimelineId};
 
 /// One member of a safekeeper set.
-#[derive(Clone, PartialEq, Eq, Debug, serde::Serialize)]
+#[derive(Clone, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SafekeeperId {
     /// The member's node id.
     pub id: NodeId,
@@ -17,7 +17,8 @@ pub struct SafekeeperId {
 /// Membership configuration of a timeline.
 ///
 /// Invariant: a non-zero `generation` has at least one member; member ids are unique.
-#[derive(Clone, Default, PartialEq, Eq, Debug, serde::Serialize)]
+#[derive(Clone, Default, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Configuration {
     /// The configuration's generation (0: no membership configuration, legacy mode).
     pub generation: Generation,
@@ -28,6 +29,28 @@ pub struct Configuration {
 }
 
 impl Configuration {
+    /// Checks the invariant of a configuration in force: each half (members, and new members
+    /// when set) is non-empty with unique node ids. Generation 0 (no configuration) is always
+    /// valid.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.generation.0 == 0 {
+            return Ok(());
+        }
+        let valid_half = |half: &[SafekeeperId]| {
+            let mut ids: Vec<NodeId> = half.iter().map(|m| m.id).collect();
+            ids.sort_unstable();
+            ids.dedup();
+            !half.is_empty() && ids.len() == half.len()
+        };
+        if !valid_half(&self.members) || !self.new_members.as_deref().is_none_or(valid_half) {
+            return Err(format!(
+                "generation {}: each half of the configuration needs members with unique node ids",
+                self.generation
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether `id` is a member (of either half of a joint configuration).
     pub fn contains(&self, id: NodeId) -> bool {
         self.members.iter().any(|m| m.id == id)

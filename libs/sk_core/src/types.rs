@@ -12,7 +12,19 @@ use std::str::FromStr;
 pub use pg_wal::{Lsn, LsnParseError};
 
 /// A consensus term (Raft term, Paxos ballot). Terms only grow.
-#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize)]
+#[derive(
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Debug,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct Term(pub u64);
 
 impl Term {
@@ -27,7 +39,19 @@ impl fmt::Display for Term {
 }
 
 /// Membership configuration generation. 0 means "no membership configuration" (legacy mode).
-#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize)]
+#[derive(
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Debug,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct Generation(pub u32);
 
 impl Generation {
@@ -42,7 +66,19 @@ impl fmt::Display for Generation {
 }
 
 /// A safekeeper's node id.
-#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize)]
+#[derive(
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Debug,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct NodeId(pub u64);
 
 impl fmt::Display for NodeId {

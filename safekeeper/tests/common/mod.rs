@@ -236,3 +236,37 @@ pub fn append_msg(term: Term, begin: Lsn, data: &[u8], commit: Lsn) -> ProposerA
         })
     }
 }
+
+/// A tiny HTTP/1.0 request with an optional JSON body: the status code and the body text.
+pub async fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect http");
+    let body = body.unwrap_or("");
+    s.write_all(
+        format!(
+            "{method} {path} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("write");
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).await.expect("read");
+    let text = String::from_utf8(resp).expect("utf8");
+    let code = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {text}"));
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+    (code, body)
+}

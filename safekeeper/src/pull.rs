@@ -1,0 +1,482 @@
+//! Moving a timeline to another safekeeper: the snapshot a peer serves
+//! (`GET /v1/tenant/{t}/timeline/{tl}/snapshot`) and the pull that installs it
+//! (`POST /v1/pull_timeline`).
+//!
+//! The snapshot is a stream of frames (`u8 kind`, `u64 length`, payload), after the 8-byte magic
+//! `SKSNAP1\n`:
+//! 1. `CONTROL`: `u64 start`, `u64 flush`, then the control-file image of the durable state
+//!    (its own CRC-32C), all read under the acceptor lock at one moment;
+//! 2. `WAL` frames: `u64 lsn`, then up to 1 MiB of WAL from `start` on, in order, each read
+//!    under the acceptor lock in the snapshot's term (a new term aborts the stream: no mix of two
+//!    terms' WAL can be served);
+//! 3. `END`: `u64 flush`, `u32` CRC-32C of all the WAL bytes.
+//!
+//! The producer runs on a blocking thread and hands frames to the response through a bounded
+//! channel (4 frames): the snapshot is never held whole in memory, and a slow puller slows the
+//! reads. The timeline's WAL is held from removal until the stream ends
+//! ([`Timeline::hold_wal`]).
+//!
+//! The puller asks every peer for its status, needs a majority to answer (so the most advanced
+//! one among them holds every committed byte), streams the snapshot of the most advanced one into
+//! `<datadir>/tmp/`, refuses it if it is older than that peer's status said, checks the frames
+//! (sizes, order, the WAL checksum, the control file's CRC), fsyncs every file, decodes the WAL
+//! records up to the snapshot's flush LSN, and only then renames the directory into place
+//! ([`GlobalTimelines::install_pulled`]). A crash before the rename leaves only `tmp/`, emptied at
+//! start-up; after it, a complete verified timeline.
+//!
+//! Peers are reached over plain HTTP (`host:port`); HTTPS peers and peer tokens are not
+//! supported yet.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use serde::Deserialize;
+use sk_core::storage::durable::fsync_dir;
+use sk_core::storage::fs::{FileHandle, Fs, OpenMode, SyncKind};
+use sk_core::types::{Lsn, TenantTimelineId, Term};
+use tokio::sync::mpsc;
+
+use crate::control_file;
+use crate::registry::GlobalTimelines;
+use crate::timeline::{TermRead, Timeline, TimelineError};
+use crate::wal_store::segment::segment_path;
+use crate::wal_store::verify_committed_wal;
+
+/// First bytes of a snapshot stream.
+pub const SNAPSHOT_MAGIC: &[u8; 8] = b"SKSNAP1\n";
+const FRAME_CONTROL: u8 = 1;
+const FRAME_WAL: u8 = 2;
+const FRAME_END: u8 = 3;
+/// WAL bytes per frame.
+const CHUNK: u64 = 1 << 20;
+/// Largest frame a puller accepts.
+const MAX_FRAME: u64 = CHUNK + 64;
+/// How long a peer may stay silent.
+const PEER_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn frame(kind: u8, payload: &[&[u8]]) -> Bytes {
+    let len: usize = payload.iter().map(|p| p.len()).sum();
+    let mut b = Vec::with_capacity(9 + len);
+    b.push(kind);
+    b.extend_from_slice(&(len as u64).to_le_bytes());
+    for p in payload {
+        b.extend_from_slice(p);
+    }
+    Bytes::from(b)
+}
+
+/// The response body of `GET …/snapshot`: frames produced on a blocking thread.
+pub fn snapshot_body(tl: Arc<Timeline>) -> Body {
+    let (tx, rx) = mpsc::channel(4);
+    let span = crate::timeline::span(&tl.ttid);
+    tokio::task::spawn_blocking(move || {
+        let _span = span.entered();
+        let _hold = tl.hold_wal();
+        match produce(&tl, &tx) {
+            Ok(bytes) => tracing::info!(bytes, "snapshot served"),
+            Err(e) => {
+                tracing::warn!("snapshot aborted: {e}");
+                // The stream ends without its END frame: the puller refuses it.
+                let _ = tx.blocking_send(Err(std::io::Error::other(e)));
+            }
+        }
+    });
+    Body::new(ChannelBody(rx))
+}
+
+/// Sends the snapshot's frames; returns the WAL bytes sent.
+fn produce(tl: &Timeline, tx: &mpsc::Sender<Result<Bytes, std::io::Error>>) -> Result<u64, String> {
+    let send = |b: Bytes| {
+        tx.blocking_send(Ok(b))
+            .map_err(|_| "the puller went away".to_string())
+    };
+    let p = tl.snapshot_point();
+    send(Bytes::from_static(SNAPSHOT_MAGIC))?;
+    send(frame(
+        FRAME_CONTROL,
+        &[
+            &p.start.0.to_le_bytes(),
+            &p.flush.0.to_le_bytes(),
+            &control_file::encode(&p.state),
+        ],
+    ))?;
+    let mut pos = p.start;
+    let mut crc = 0u32;
+    let mut buf = Vec::with_capacity(CHUNK as usize);
+    while pos < p.flush {
+        let end = Lsn((pos.0 + CHUNK).min(p.flush.0));
+        buf.clear();
+        match tl.read_wal_in_term(p.term, pos, end, &mut buf) {
+            Ok(TermRead::Read) => {}
+            Ok(TermRead::TermChanged(t)) => {
+                return Err(format!(
+                    "term changed from {} to {t} during the snapshot; pull again",
+                    p.term
+                ));
+            }
+            Ok(TermRead::Truncated(l)) => {
+                return Err(format!(
+                    "WAL truncated to {l} during the snapshot; pull again"
+                ));
+            }
+            Err(e) => return Err(format!("reading WAL at {pos}: {e}")),
+        }
+        crc = crc32c::crc32c_append(crc, &buf);
+        send(frame(FRAME_WAL, &[&pos.0.to_le_bytes(), &buf]))?;
+        pos = end;
+    }
+    send(frame(
+        FRAME_END,
+        &[&p.flush.0.to_le_bytes(), &crc.to_le_bytes()],
+    ))?;
+    Ok(p.flush.0 - p.start.0)
+}
+
+/// A response body fed by a bounded channel.
+struct ChannelBody(mpsc::Receiver<Result<Bytes, std::io::Error>>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|o| o.map(|r| r.map(http_body::Frame::data)))
+    }
+}
+
+/// Why a pull failed: the HTTP status class and the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    /// The timeline exists here already.
+    #[error("timeline {0} exists on this safekeeper already")]
+    Exists(TenantTimelineId),
+    /// The request cannot be served as given (no peers, bad address).
+    #[error("{0}")]
+    BadRequest(String),
+    /// Peers did not answer, or what they sent is not a valid, current copy.
+    #[error("{0}")]
+    Peer(String),
+    /// Installing it here failed.
+    #[error(transparent)]
+    Local(#[from] TimelineError),
+}
+
+/// What a pull did.
+#[derive(Debug, serde::Serialize)]
+pub struct Pulled {
+    /// The peer it copied from.
+    pub source: String,
+    /// The WAL it copied: `[start, flush)`.
+    pub start_lsn: Lsn,
+    /// The end of the copied WAL.
+    pub flush_lsn: Lsn,
+    /// WAL bytes received.
+    pub wal_bytes: u64,
+}
+
+/// The part of a peer's timeline status the puller compares.
+#[derive(Debug, Deserialize)]
+struct PeerStatus {
+    last_log_term: Term,
+    flush_lsn: String,
+}
+
+/// `POST /v1/pull_timeline`: copies `ttid` from the most advanced of `hosts` (a majority must
+/// answer) and registers it. Blocking (network and file I/O); run it on a blocking thread.
+pub fn pull_timeline(
+    timelines: &GlobalTimelines,
+    ttid: TenantTimelineId,
+    hosts: &[String],
+) -> Result<Pulled, PullError> {
+    if hosts.is_empty() {
+        return Err(PullError::BadRequest("http_hosts is empty".into()));
+    }
+    if timelines.get(&ttid).is_some() {
+        return Err(PullError::Exists(ttid));
+    }
+    let path = format!(
+        "/v1/tenant/{}/timeline/{}",
+        ttid.tenant_id, ttid.timeline_id
+    );
+    let mut answers = Vec::new();
+    let mut failures = Vec::new();
+    for host in hosts {
+        match http_get(host, &path).and_then(|mut r| {
+            let mut body = String::new();
+            r.read_to_string(&mut body)
+                .map_err(|e| format!("{host}: reading status: {e}"))?;
+            let s: PeerStatus =
+                serde_json::from_str(&body).map_err(|e| format!("{host}: status: {e}"))?;
+            let flush: Lsn = s
+                .flush_lsn
+                .parse()
+                .map_err(|e| format!("{host}: flush_lsn: {e}"))?;
+            Ok((s.last_log_term, flush))
+        }) {
+            Ok(pos) => answers.push((pos, host.clone())),
+            Err(e) => failures.push(e),
+        }
+    }
+    let quorum = hosts.len() / 2 + 1;
+    if answers.len() < quorum {
+        return Err(PullError::Peer(format!(
+            "only {} of {} peers answered (a majority, {quorum}, is needed to know the newest \
+             copy): {}",
+            answers.len(),
+            hosts.len(),
+            failures.join("; ")
+        )));
+    }
+    answers.sort();
+    let ((best_term, best_flush), source) = answers.pop().expect("a quorum answered");
+    tracing::info!(%source, %best_term, %best_flush, "pulling from the most advanced peer");
+
+    let tmp = timelines.pull_tmp_dir(&ttid);
+    let fs = timelines.fs().clone();
+    if fs.exists(&tmp) {
+        fs.remove_dir_all(&tmp)
+            .map_err(|e| TimelineError::io(format!("removing {}", tmp.display()), e))?;
+    }
+    fs.create_dir_all(&tmp)
+        .map_err(|e| TimelineError::io(format!("creating {}", tmp.display()), e))?;
+    let result = receive(timelines, &fs, &tmp, &source, ttid, (best_term, best_flush));
+    let (start, flush) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = fs.remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    timelines.install_pulled(ttid, &tmp, flush)?;
+    Ok(Pulled {
+        source,
+        start_lsn: start,
+        flush_lsn: flush,
+        wal_bytes: flush.0 - start.0,
+    })
+}
+
+/// Streams the snapshot of `source` into `tmp`, verifies it and makes every file durable.
+/// Returns the WAL range received.
+fn receive(
+    timelines: &GlobalTimelines,
+    fs: &Fs,
+    tmp: &Path,
+    source: &str,
+    ttid: TenantTimelineId,
+    (best_term, best_flush): (Term, Lsn),
+) -> Result<(Lsn, Lsn), PullError> {
+    let no_sync = timelines.no_sync();
+    let peer = |m: String| PullError::Peer(format!("{source}: {m}"));
+    let path = format!(
+        "/v1/tenant/{}/timeline/{}/snapshot",
+        ttid.tenant_id, ttid.timeline_id
+    );
+    let mut r =
+        BufReader::with_capacity(1 << 20, http_get(source, &path).map_err(PullError::Peer)?);
+    let mut magic = [0u8; 8];
+    r.read_exact(&mut magic)
+        .map_err(|e| peer(format!("reading the snapshot: {e}")))?;
+    if &magic != SNAPSHOT_MAGIC {
+        return Err(peer("not a snapshot stream".into()));
+    }
+    let (kind, control) = read_frame(&mut r).map_err(peer)?;
+    if kind != FRAME_CONTROL || control.len() < 16 {
+        return Err(peer(
+            "the snapshot does not start with its control frame".into(),
+        ));
+    }
+    let start = Lsn(u64::from_le_bytes(
+        control[..8].try_into().expect("8 bytes"),
+    ));
+    let flush = Lsn(u64::from_le_bytes(
+        control[8..16].try_into().expect("8 bytes"),
+    ));
+    let mut state = control_file::decode(&control[16..], Path::new("snapshot control file"))
+        .map_err(|e| peer(e.to_string()))?;
+    if state.tenant_id != ttid.tenant_id || state.timeline_id != ttid.timeline_id {
+        return Err(peer(format!(
+            "the snapshot is of timeline {}/{}",
+            state.tenant_id, state.timeline_id
+        )));
+    }
+    let last_term = state
+        .acceptor_state
+        .term_history
+        .0
+        .last()
+        .map(|e| e.term)
+        .unwrap_or(Term::INITIAL);
+    if (last_term, flush) < (best_term, best_flush) {
+        return Err(peer(format!(
+            "stale snapshot: it ends at {flush} in term {last_term}, the peer's status said \
+             {best_flush} in term {best_term}"
+        )));
+    }
+    if start > flush || state.commit_lsn > flush {
+        return Err(peer(format!(
+            "inconsistent snapshot: WAL [{start}, {flush}), commit_lsn {}",
+            state.commit_lsn
+        )));
+    }
+    let seg_size = state.server.wal_seg_size as u64;
+    if !pg_wal::format::is_valid_seg_size(seg_size) {
+        return Err(peer(format!("invalid segment size {seg_size}")));
+    }
+
+    let mut seg: Option<(u64, Box<dyn FileHandle>)> = None;
+    let mut pos = start;
+    let mut crc = 0u32;
+    let slow = sk_core::failpoint::active("pull-slow");
+    loop {
+        let (kind, payload) = read_frame(&mut r).map_err(peer)?;
+        match kind {
+            FRAME_WAL => {
+                if payload.len() < 8 {
+                    return Err(peer("short WAL frame".into()));
+                }
+                let lsn = Lsn(u64::from_le_bytes(
+                    payload[..8].try_into().expect("8 bytes"),
+                ));
+                let data = &payload[8..];
+                if lsn != pos || pos.0 + data.len() as u64 > flush.0 {
+                    return Err(peer(format!(
+                        "WAL frame at {lsn} (+{}) where {pos} was expected, below {flush}",
+                        data.len()
+                    )));
+                }
+                crc = crc32c::crc32c_append(crc, data);
+                let mut off = 0usize;
+                while off < data.len() {
+                    let at = Lsn(pos.0 + off as u64);
+                    let segno = at.segment_number(seg_size);
+                    let in_seg = at.segment_offset(seg_size);
+                    let n = ((seg_size - in_seg) as usize).min(data.len() - off);
+                    if seg.as_ref().is_none_or(|(s, _)| *s != segno) {
+                        if let Some((_, f)) = seg.take() {
+                            sync(f.as_ref(), no_sync)?;
+                        }
+                        let partial = segno == flush.segment_number(seg_size);
+                        let p = segment_path(tmp, segno, seg_size, partial);
+                        let f = fs
+                            .open(&p, OpenMode::CreateTruncate)
+                            .and_then(|f| f.set_len(seg_size).map(|()| f))
+                            .map_err(|e| {
+                                TimelineError::io(format!("creating {}", p.display()), e)
+                            })?;
+                        seg = Some((segno, f));
+                    }
+                    let (_, f) = seg.as_ref().expect("opened above");
+                    f.write_all_at(&data[off..off + n], in_seg)
+                        .map_err(|e| TimelineError::io("writing a pulled segment", e))?;
+                    off += n;
+                }
+                pos = Lsn(pos.0 + data.len() as u64);
+                if slow {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+            FRAME_END => {
+                if payload.len() != 12 {
+                    return Err(peer("bad END frame".into()));
+                }
+                let end = Lsn(u64::from_le_bytes(
+                    payload[..8].try_into().expect("8 bytes"),
+                ));
+                let sent_crc = u32::from_le_bytes(payload[8..].try_into().expect("4 bytes"));
+                if end != flush || pos != flush {
+                    return Err(peer(format!(
+                        "snapshot ended at {pos}, announced {flush}, END says {end}"
+                    )));
+                }
+                if sent_crc != crc {
+                    return Err(peer(format!(
+                        "WAL checksum mismatch: sent {sent_crc:#010x}, received {crc:#010x}"
+                    )));
+                }
+                break;
+            }
+            other => return Err(peer(format!("unexpected frame kind {other}"))),
+        }
+    }
+    if let Some((_, f)) = seg.take() {
+        sync(f.as_ref(), no_sync)?;
+    }
+    // The WAL decodes, record by record, up to the snapshot's end.
+    verify_committed_wal(fs, tmp, seg_size, start, flush)
+        .map_err(|e| peer(format!("the pulled WAL does not verify: {e}")))?;
+    state.local_start_lsn = start;
+    control_file::FileControlStore::create_new_in(fs.clone(), tmp, state, no_sync)
+        .map_err(TimelineError::from)?;
+    if !no_sync {
+        fsync_dir(fs, tmp);
+    }
+    Ok((start, flush))
+}
+
+fn sync(f: &dyn FileHandle, no_sync: bool) -> Result<(), PullError> {
+    if no_sync {
+        return Ok(());
+    }
+    f.sync(SyncKind::Data)
+        .map_err(|e| TimelineError::io("fsyncing a pulled segment", e).into())
+}
+
+/// Reads one frame: its kind and payload.
+fn read_frame(r: &mut impl Read) -> Result<(u8, Vec<u8>), String> {
+    let mut head = [0u8; 9];
+    r.read_exact(&mut head)
+        .map_err(|e| format!("the snapshot ended early: {e}"))?;
+    let len = u64::from_le_bytes(head[1..].try_into().expect("8 bytes"));
+    if len > MAX_FRAME {
+        return Err(format!("frame of {len} bytes is too large"));
+    }
+    let mut payload = vec![0u8; len as usize];
+    r.read_exact(&mut payload)
+        .map_err(|e| format!("the snapshot ended early: {e}"))?;
+    Ok((head[0], payload))
+}
+
+/// `GET http://host/path` (HTTP/1.0: the body ends with the connection). Returns the body
+/// reader after a 200, the status and body otherwise.
+fn http_get(host: &str, path: &str) -> Result<impl Read, String> {
+    let host = host
+        .strip_prefix("http://")
+        .unwrap_or(host)
+        .trim_end_matches('/');
+    let stream = TcpStream::connect(host).map_err(|e| format!("{host}: {e}"))?;
+    stream
+        .set_read_timeout(Some(PEER_TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(PEER_TIMEOUT)))
+        .map_err(|e| format!("{host}: {e}"))?;
+    let mut w = &stream;
+    write!(w, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").map_err(|e| format!("{host}: {e}"))?;
+    let mut r = BufReader::new(stream);
+    let mut line = String::new();
+    r.read_line(&mut line).map_err(|e| format!("{host}: {e}"))?;
+    let code = line.split(' ').nth(1).unwrap_or("").to_string();
+    loop {
+        let mut h = String::new();
+        let n = r.read_line(&mut h).map_err(|e| format!("{host}: {e}"))?;
+        if n == 0 || h == "\r\n" || h == "\n" {
+            break;
+        }
+    }
+    if code != "200" {
+        let mut body = String::new();
+        let _ = r.take(4096).read_to_string(&mut body);
+        return Err(format!("{host}: GET {path}: HTTP {code}: {}", body.trim()));
+    }
+    Ok(r)
+}

@@ -1,0 +1,185 @@
+//! `pull_timeline` between in-process daemons over real sockets and files: the copy is
+//! byte-identical to the source up to its flush LSN, serves readers and proposers afterwards,
+//! and the error cases (exists, no quorum, unknown timeline) are clear.
+
+mod common;
+
+use common::*;
+use pg_wal::generator::WalGenerator;
+use sk_core::protocol::AcceptorProposerMessage;
+use sk_core::types::Lsn;
+
+const START: Lsn = Lsn(SEG_SIZE);
+
+/// A daemon holding `bytes` of generated WAL, committed, from `START`.
+async fn source_with_wal(dir: &std::path::Path, id: u64, bytes: usize) -> (TestDaemon, Lsn) {
+    let d = TestDaemon::start_as(dir, id).await;
+    let (mut p, _) = Client::elect(&d, START).await;
+    let mut g = WalGenerator::new(SYSID, SEG_SIZE, START).unwrap();
+    let mut wal = Vec::new();
+    g.fill(&mut wal, bytes, &[0x5a; 300]);
+    let end = Lsn(START.0 + wal.len() as u64);
+    for (i, chunk) in wal.chunks(64 << 10).enumerate() {
+        let at = Lsn(START.0 + (i * (64 << 10)) as u64);
+        p.writer.queue(&p.append(at, chunk, Lsn::INVALID)).unwrap();
+    }
+    p.writer.queue(&p.append(end, &[], end)).unwrap();
+    p.writer.flush().await.unwrap();
+    loop {
+        match p.reader.recv().await.unwrap() {
+            AcceptorProposerMessage::AppendResponse(r) if r.flush_lsn >= end => break,
+            AcceptorProposerMessage::AppendResponse(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    p.writer.finish().await.unwrap();
+    while p.reader.recv().await.is_ok() {}
+    (d, end)
+}
+
+fn pull_body(hosts: &[&TestDaemon]) -> String {
+    let hosts: Vec<String> = hosts.iter().map(|d| format!("\"{}\"", d.http)).collect();
+    format!(
+        r#"{{"tenant_id":"{}","timeline_id":"{}","http_hosts":[{}]}}"#,
+        ttid().tenant_id,
+        ttid().timeline_id,
+        hosts.join(",")
+    )
+}
+
+/// The WAL bytes `[from, to)` of the timeline under `datadir`, read from its segment files.
+fn wal_bytes(datadir: &std::path::Path, from: Lsn, to: Lsn) -> Vec<u8> {
+    let dir = datadir
+        .join(ttid().tenant_id.to_string())
+        .join(ttid().timeline_id.to_string());
+    let mut out = Vec::new();
+    let mut pos = from;
+    while pos < to {
+        let segno = pos.segment_number(SEG_SIZE);
+        let name = pg_wal::format::xlog_file_name(1, segno, SEG_SIZE);
+        let file = [dir.join(&name), dir.join(format!("{name}.partial"))]
+            .into_iter()
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("segment {name} missing"));
+        let data = std::fs::read(file).unwrap();
+        let off = pos.segment_offset(SEG_SIZE) as usize;
+        let n = ((SEG_SIZE as usize) - off).min((to.0 - pos.0) as usize);
+        out.extend_from_slice(&data[off..off + n]);
+        pos = Lsn(pos.0 + n as u64);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulled_timeline_is_byte_identical_and_serves() {
+    let (d1dir, d2dir, d3dir) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    // 20 MiB: more than one segment, the last one partial.
+    let (d1, end) = source_with_wal(d1dir.path(), 1, 20 << 20).await;
+    let d2 = TestDaemon::start_as(d2dir.path(), 2).await;
+    let d3 = TestDaemon::start_as(d3dir.path(), 3).await; // has no copy: a lagging peer
+
+    // Errors first: bad body, no hosts, unknown timeline everywhere, no quorum.
+    let (code, body) = http_request(d2.http, "POST", "/v1/pull_timeline", Some("{}")).await;
+    assert_eq!(code, 400, "{body}");
+    let (code, body) =
+        http_request(d2.http, "POST", "/v1/pull_timeline", Some(&pull_body(&[]))).await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("http_hosts is empty"), "{body}");
+    let (code, body) = http_request(
+        d2.http,
+        "POST",
+        "/v1/pull_timeline",
+        Some(&pull_body(&[&d3])),
+    )
+    .await;
+    assert_eq!(code, 502, "{body}");
+    assert!(body.contains("majority"), "{body}");
+    // Only one of three peers answers (d3 has no timeline; d2 asks itself: none either).
+    let (code, body) = http_request(
+        d2.http,
+        "POST",
+        "/v1/pull_timeline",
+        Some(&pull_body(&[&d1, &d2, &d3])),
+    )
+    .await;
+    assert_eq!(code, 502, "{body}");
+    assert!(body.contains("only 1 of 3"), "{body}");
+    assert!(
+        d2.get_json("/v1/timelines")
+            .await
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+
+    // A majority of {1, 3}... needs both: pull from {1} alone (a quorum of one peer).
+    let (code, body) = http_request(
+        d2.http,
+        "POST",
+        "/v1/pull_timeline",
+        Some(&pull_body(&[&d1])),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["flush_lsn"], end.to_string(), "{v}");
+    let s1 = d1
+        .get_json(&format!(
+            "/v1/tenant/{}/timeline/{}",
+            ttid().tenant_id,
+            ttid().timeline_id
+        ))
+        .await;
+    let s2 = d2
+        .get_json(&format!(
+            "/v1/tenant/{}/timeline/{}",
+            ttid().tenant_id,
+            ttid().timeline_id
+        ))
+        .await;
+    for field in [
+        "term",
+        "flush_lsn",
+        "term_history",
+        "timeline_start_lsn",
+        "system_id",
+        "generation",
+    ] {
+        assert_eq!(s1[field], s2[field], "{field}: {s1} vs {s2}");
+    }
+    assert_eq!(
+        wal_bytes(d1dir.path(), START, end),
+        wal_bytes(d2dir.path(), START, end)
+    );
+    // Pulling again: 409.
+    let (code, body) = http_request(
+        d2.http,
+        "POST",
+        "/v1/pull_timeline",
+        Some(&pull_body(&[&d1])),
+    )
+    .await;
+    assert_eq!(code, 409, "{body}");
+
+    // Durable and valid: a restart opens it (verifying the committed WAL) at the same end.
+    d2.stop().await.unwrap();
+    let d2 = TestDaemon::start_as(d2dir.path(), 2).await;
+    let s2 = d2
+        .get_json(&format!(
+            "/v1/tenant/{}/timeline/{}",
+            ttid().tenant_id,
+            ttid().timeline_id
+        ))
+        .await;
+    assert_eq!(s2["flush_lsn"], end.to_string(), "{s2}");
+    // And a proposer can be elected on it and continue.
+    let (_p, start) = Client::elect(&d2, START).await;
+    assert_eq!(start, end);
+    for d in [d1, d2, d3] {
+        d.stop().await.unwrap();
+    }
+}

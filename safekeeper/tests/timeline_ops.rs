@@ -1,0 +1,250 @@
+//! The operator's timeline routes against in-process daemons over real sockets and files:
+//! `PUT …/membership`, `POST /v1/tenant/{t}/timeline`, `DELETE …/timeline/{tl}` and
+//! `DELETE /v1/tenant/{t}`, their error cases, and that what they do survives a restart.
+
+mod common;
+
+use common::{Client, SEG_SIZE, SYSID, TestDaemon, greeting, http_request, ttid};
+use sk_core::protocol::AcceptorProposerMessage;
+use sk_core::types::{Lsn, TimelineId};
+use walproposer::conn::connect_push;
+
+fn tl_path() -> String {
+    format!(
+        "/v1/tenant/{}/timeline/{}",
+        ttid().tenant_id,
+        ttid().timeline_id
+    )
+}
+
+fn membership(generation: u32, ids: &[u64]) -> String {
+    let members: Vec<String> = ids
+        .iter()
+        .map(|id| {
+            format!(
+                r#"{{"id":{id},"host":"127.0.0.1","pg_port":{}}}"#,
+                5450 + id
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"generation":{generation},"members":[{}]}}"#,
+        members.join(",")
+    )
+}
+
+fn create_body(timeline_id: &str, extra: &str) -> String {
+    format!(
+        r#"{{"timeline_id":"{timeline_id}","system_id":{SYSID},"pg_version":150018,"wal_seg_size":{SEG_SIZE}{extra}}}"#
+    )
+}
+
+/// What a proposer's greeting gets: the reply, or the error text that ended the connection.
+async fn greet(d: &TestDaemon) -> Result<AcceptorProposerMessage, String> {
+    let (mut reader, mut writer) = connect_push(&d.addr(), ttid(), true, "late proposer")
+        .await
+        .map_err(|e| e.to_string())?;
+    writer.send(&greeting()).await.map_err(|e| e.to_string())?;
+    reader.recv().await.map_err(|e| e.to_string())
+}
+
+#[tokio::test]
+async fn membership_put_is_forward_only_durable_and_shown_in_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let path = format!("{}/membership", tl_path());
+
+    let (code, body) = http_request(d.http, "PUT", &path, Some(&membership(1, &[1]))).await;
+    assert_eq!(code, 404, "no timeline yet: {body}");
+
+    Client::connect(&d).await; // the greeting creates the timeline
+    let (code, body) = http_request(d.http, "PUT", &path, Some(&membership(2, &[1, 2, 3]))).await;
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["generation"], 2);
+    assert_eq!(v["mconf"]["members"].as_array().unwrap().len(), 3);
+    assert_eq!(v["elected_generation"], 0);
+
+    // The same configuration again: a no-op.
+    let (code, _) = http_request(d.http, "PUT", &path, Some(&membership(2, &[1, 2, 3]))).await;
+    assert_eq!(code, 200);
+    // Older, or the same generation with other members: 409 with the reason.
+    for stale in [membership(1, &[1]), membership(2, &[1, 3, 4])] {
+        let (code, body) = http_request(d.http, "PUT", &path, Some(&stale)).await;
+        assert_eq!(code, 409, "{body}");
+        assert!(body.contains("not newer"), "{body}");
+    }
+    // Malformed: duplicate ids, no members, not JSON, unknown fields.
+    for bad in [
+        membership(3, &[1, 1]),
+        membership(3, &[]),
+        "{".to_string(),
+        r#"{"generation":3,"members":[],"extra":1}"#.to_string(),
+    ] {
+        let (code, body) = http_request(d.http, "PUT", &path, Some(&bad)).await;
+        assert_eq!(code, 400, "{bad}: {body}");
+    }
+    let (code, _) = http_request(
+        d.http,
+        "PUT",
+        "/v1/tenant/nothex/timeline/x/membership",
+        Some(&membership(3, &[1])),
+    )
+    .await;
+    assert_eq!(code, 400);
+
+    // Durable: a restarted daemon shows generation 2 and refuses the older one.
+    d.stop().await.unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let v = d.get_json(&tl_path()).await;
+    assert_eq!(v["generation"], 2, "{v}");
+    let (code, _) = http_request(d.http, "PUT", &path, Some(&membership(1, &[1]))).await;
+    assert_eq!(code, 409);
+    d.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn create_refuses_duplicates_and_bad_input_and_starts_at_start_lsn() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let create = format!("/v1/tenant/{}/timeline", ttid().tenant_id);
+    let tl = ttid().timeline_id.to_string();
+    let start = Lsn(3 * SEG_SIZE + 0x28);
+
+    for (bad, why) in [
+        (create_body("zz", ""), "invalid id"),
+        (
+            format!(
+                r#"{{"timeline_id":"{tl}","system_id":1,"pg_version":150018,"wal_seg_size":12345}}"#
+            ),
+            "segment size",
+        ),
+        (create_body(&tl, r#","start_lsn":"nope""#), "start_lsn"),
+        (
+            create_body(&tl, r#","mconf":{"generation":1,"members":[]}"#),
+            "unique node ids",
+        ),
+        (r#"{"timeline_id":"x"}"#.to_string(), "missing field"),
+    ] {
+        let (code, body) = http_request(d.http, "POST", &create, Some(&bad)).await;
+        assert_eq!(code, 400, "{bad}: {body}");
+        assert!(body.contains(why), "{bad}: {body}");
+    }
+    assert!(
+        d.get_json("/v1/timelines")
+            .await
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+
+    let body = create_body(
+        &tl,
+        &format!(r#","start_lsn":"{start}","mconf":{}"#, membership(1, &[1])),
+    );
+    let (code, resp) = http_request(d.http, "POST", &create, Some(&body)).await;
+    assert_eq!(code, 201, "{resp}");
+    let (code, resp) = http_request(d.http, "POST", &create, Some(&body)).await;
+    assert_eq!(code, 409, "{resp}");
+    assert!(resp.contains("exists"), "{resp}");
+
+    let v = d.get_json(&tl_path()).await;
+    assert_eq!(v["generation"], 1, "{v}");
+    assert_eq!(v["timeline_start_lsn"], start.to_string(), "{v}");
+    assert_eq!(v["flush_lsn"], start.to_string(), "{v}");
+    d.stop().await.unwrap();
+    // Durable: there after a restart.
+    let d = TestDaemon::start(dir.path()).await;
+    let v = d.get_json(&tl_path()).await;
+    assert_eq!(v["system_id"], SYSID, "{v}");
+    d.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn deleted_timeline_ends_connections_and_is_not_recreated_by_a_late_proposer() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let (mut proposer, _) = Client::elect(&d, Lsn(SEG_SIZE)).await;
+    let tl_dir = dir
+        .path()
+        .join(ttid().tenant_id.to_string())
+        .join(ttid().timeline_id.to_string());
+    assert!(tl_dir.exists());
+
+    let (code, body) = http_request(d.http, "DELETE", &tl_path(), None).await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(r#""existed":true"#), "{body}");
+    assert!(!tl_dir.exists(), "files removed");
+    // The open proposer connection ends with the reason.
+    let err = proposer.reader.recv().await.expect_err("connection ended");
+    assert!(err.to_string().contains("deleted"), "{err}");
+    // A late proposer cannot recreate it.
+    let err = greet(&d).await.expect_err("refused");
+    assert!(err.contains("was deleted"), "{err}");
+    assert!(!tl_dir.exists());
+    let (code, _) = http_request(d.http, "GET", &tl_path(), None).await;
+    assert_eq!(code, 404);
+
+    // Also not after a restart (the tombstone is durable).
+    d.stop().await.unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let err = greet(&d).await.expect_err("refused after a restart");
+    assert!(err.contains("was deleted"), "{err}");
+    // Deleting again is fine (nothing left but the tombstone).
+    let (code, body) = http_request(d.http, "DELETE", &tl_path(), None).await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(r#""existed":false"#), "{body}");
+
+    // An explicit create clears the tombstone: proposers are served again.
+    let create = format!("/v1/tenant/{}/timeline", ttid().tenant_id);
+    let (code, body) = http_request(
+        d.http,
+        "POST",
+        &create,
+        Some(&create_body(&ttid().timeline_id.to_string(), "")),
+    )
+    .await;
+    assert_eq!(code, 201, "{body}");
+    assert!(matches!(
+        greet(&d).await,
+        Ok(AcceptorProposerMessage::Greeting(_))
+    ));
+    d.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn deleted_tenant_takes_every_timeline_and_stays_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let tenant = ttid().tenant_id;
+    let create = format!("/v1/tenant/{tenant}/timeline");
+    let other: TimelineId = "00000000000000000000000000000002".parse().unwrap();
+    for tl in [ttid().timeline_id, other] {
+        let (code, body) = http_request(
+            d.http,
+            "POST",
+            &create,
+            Some(&create_body(&tl.to_string(), "")),
+        )
+        .await;
+        assert_eq!(code, 201, "{body}");
+    }
+    let (code, body) = http_request(d.http, "DELETE", "/v1/tenant/zz", None).await;
+    assert_eq!(code, 400, "{body}");
+    let (code, body) = http_request(d.http, "DELETE", &format!("/v1/tenant/{tenant}"), None).await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(r#""timelines":2"#), "{body}");
+    assert!(!dir.path().join(tenant.to_string()).exists());
+    assert!(
+        d.get_json("/v1/timelines")
+            .await
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    d.stop().await.unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let err = greet(&d).await.expect_err("refused");
+    assert!(err.contains("was deleted"), "{err}");
+    d.stop().await.unwrap();
+}
