@@ -141,7 +141,8 @@ async fn sampled_cpu_time(burner: &std::thread::JoinHandle<u64>, query: &str) ->
             .unwrap()
             .as_nanos() as i64
     };
-    let record = std::sync::Mutex::new(Vec::new());
+    // A reading before the request and one after it bound the profile's window.
+    let record = std::sync::Mutex::new(vec![(now_nanos(), thread_cpu_time(burner))]);
     let done = AtomicBool::new(false);
     let p = std::thread::scope(|scope| {
         scope.spawn(|| {
@@ -158,7 +159,8 @@ async fn sampled_cpu_time(burner: &std::thread::JoinHandle<u64>, query: &str) ->
         done.store(true, Ordering::Relaxed);
         p
     });
-    let record = record.into_inner().unwrap();
+    let mut record = record.into_inner().unwrap();
+    record.push((now_nanos(), thread_cpu_time(burner)));
     let cpu_at = |t: i64| {
         let i = record.partition_point(|&(at, _)| at <= t);
         assert!(i > 0 && i < record.len(), "the record covers the profile");
