@@ -47,15 +47,6 @@ async fn switch(
     reader.recv().await
 }
 
-async fn status(d: &TestDaemon) -> serde_json::Value {
-    d.get_json(&format!(
-        "/v1/tenant/{}/timeline/{}",
-        ttid().tenant_id,
-        ttid().timeline_id
-    ))
-    .await
-}
-
 fn lsn(v: &serde_json::Value) -> Lsn {
     v.as_str().expect("an LSN").parse().expect("a valid LSN")
 }
@@ -63,7 +54,7 @@ fn lsn(v: &serde_json::Value) -> Lsn {
 /// Whether `d` holds WAL up to the start of a term elected in generation `g` or later (the
 /// operator's switch condition, `docs/durability.md` promise 10).
 async fn holds_a_term_elected_in(d: &TestDaemon, g: u64) -> bool {
-    let s = status(d).await;
+    let s = d.timeline_status().await;
     let newest = s["term_history"].as_array().and_then(|h| h.last()).cloned();
     s["elected_generation"].as_u64().expect("a generation") >= g
         && newest.is_some_and(|e| lsn(&e["lsn"]) <= lsn(&s["flush_lsn"]))
@@ -198,7 +189,7 @@ async fn the_proposer_follows_a_membership_change_and_keeps_committing() {
     // Node 2 is gone for good; the members agree byte for byte up to the commit LSN.
     let mut wal = Vec::new();
     for i in [0, 2, 3] {
-        let s = status(&d[i]).await;
+        let s = d[i].timeline_status().await;
         assert!(lsn(&s["flush_lsn"]) >= committed, "node {}: {s}", i + 1);
         assert_eq!(s["generation"], 3, "node {}: {s}", i + 1);
         let term = Term(s["term"].as_u64().unwrap());

@@ -47,6 +47,17 @@ fn pull_body(hosts: &[&TestDaemon]) -> String {
     )
 }
 
+/// `POST /v1/pull_timeline` of the test timeline on `on` from `peers`: (status, body).
+async fn pull(on: &TestDaemon, peers: &[&TestDaemon]) -> (u16, String) {
+    http_request(
+        on.http,
+        "POST",
+        "/v1/pull_timeline",
+        Some(&pull_body(peers)),
+    )
+    .await
+}
+
 /// The WAL bytes `[from, to)` of the timeline under `datadir`, read from its segment files.
 fn wal_bytes(datadir: &std::path::Path, from: Lsn, to: Lsn) -> Vec<u8> {
     let dir = datadir
@@ -85,62 +96,25 @@ async fn pulled_timeline_is_byte_identical_and_serves() {
     // Errors first: bad body, no hosts, unknown timeline everywhere, no quorum.
     let (code, body) = http_request(d2.http, "POST", "/v1/pull_timeline", Some("{}")).await;
     assert_eq!(code, 400, "{body}");
-    let (code, body) =
-        http_request(d2.http, "POST", "/v1/pull_timeline", Some(&pull_body(&[]))).await;
+    let (code, body) = pull(&d2, &[]).await;
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("http_hosts is empty"), "{body}");
-    let (code, body) = http_request(
-        d2.http,
-        "POST",
-        "/v1/pull_timeline",
-        Some(&pull_body(&[&d3])),
-    )
-    .await;
+    let (code, body) = pull(&d2, &[&d3]).await;
     assert_eq!(code, 502, "{body}");
     assert!(body.contains("majority"), "{body}");
     // Only one of three peers answers (d3 has no timeline; d2 asks itself: none either).
-    let (code, body) = http_request(
-        d2.http,
-        "POST",
-        "/v1/pull_timeline",
-        Some(&pull_body(&[&d1, &d2, &d3])),
-    )
-    .await;
+    let (code, body) = pull(&d2, &[&d1, &d2, &d3]).await;
     assert_eq!(code, 502, "{body}");
     assert!(body.contains("only 1 of 3"), "{body}");
-    assert!(
-        d2.get_json("/v1/timelines")
-            .await
-            .as_array()
-            .unwrap()
-            .is_empty()
-    );
+    assert_eq!(d2.timeline_count().await, 0);
 
     // A majority of {1, 3}... needs both: pull from {1} alone (a quorum of one peer).
-    let (code, body) = http_request(
-        d2.http,
-        "POST",
-        "/v1/pull_timeline",
-        Some(&pull_body(&[&d1])),
-    )
-    .await;
+    let (code, body) = pull(&d2, &[&d1]).await;
     assert_eq!(code, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["flush_lsn"], end.to_string(), "{v}");
-    let s1 = d1
-        .get_json(&format!(
-            "/v1/tenant/{}/timeline/{}",
-            ttid().tenant_id,
-            ttid().timeline_id
-        ))
-        .await;
-    let s2 = d2
-        .get_json(&format!(
-            "/v1/tenant/{}/timeline/{}",
-            ttid().tenant_id,
-            ttid().timeline_id
-        ))
-        .await;
+    let s1 = d1.timeline_status().await;
+    let s2 = d2.timeline_status().await;
     for field in [
         "term",
         "flush_lsn",
@@ -156,25 +130,13 @@ async fn pulled_timeline_is_byte_identical_and_serves() {
         wal_bytes(d2dir.path(), START, end)
     );
     // Pulling again: 409.
-    let (code, body) = http_request(
-        d2.http,
-        "POST",
-        "/v1/pull_timeline",
-        Some(&pull_body(&[&d1])),
-    )
-    .await;
+    let (code, body) = pull(&d2, &[&d1]).await;
     assert_eq!(code, 409, "{body}");
 
     // Durable and valid: a restart opens it (verifying the committed WAL) at the same end.
     d2.stop().await.unwrap();
     let d2 = TestDaemon::start_as(d2dir.path(), 2).await;
-    let s2 = d2
-        .get_json(&format!(
-            "/v1/tenant/{}/timeline/{}",
-            ttid().tenant_id,
-            ttid().timeline_id
-        ))
-        .await;
+    let s2 = d2.timeline_status().await;
     assert_eq!(s2["flush_lsn"], end.to_string(), "{s2}");
     // And a proposer can be elected on it and continue.
     let (_p, start) = Client::elect(&d2, START).await;

@@ -117,13 +117,7 @@ async fn pipelined_appends_are_acked_monotonically_and_stored_byte_exact() {
     );
     assert!(seg[wal.len()..].iter().all(|&b| b == 0));
 
-    let status = d
-        .get_json(&format!(
-            "/v1/tenant/{}/timeline/{}",
-            ttid().tenant_id,
-            ttid().timeline_id
-        ))
-        .await;
+    let status = d.timeline_status().await;
     assert_eq!(status["flush_lsn"], end.to_string());
     assert_eq!(status["commit_lsn"], end.to_string());
     assert_eq!(status["term"], 1);

@@ -78,6 +78,25 @@ impl TestDaemon {
     pub async fn get_json(&self, path: &str) -> serde_json::Value {
         http_get_json(self.http, path).await
     }
+
+    /// The status of the test timeline (`ttid()`).
+    pub async fn timeline_status(&self) -> serde_json::Value {
+        self.get_json(&format!(
+            "/v1/tenant/{}/timeline/{}",
+            ttid().tenant_id,
+            ttid().timeline_id
+        ))
+        .await
+    }
+
+    /// How many timelines `/v1/timelines` lists.
+    pub async fn timeline_count(&self) -> usize {
+        self.get_json("/v1/timelines")
+            .await
+            .as_array()
+            .expect("/v1/timelines is a list")
+            .len()
+    }
 }
 
 /// A replication client configuration for the test timeline on `d`.
