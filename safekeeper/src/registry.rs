@@ -287,27 +287,15 @@ impl GlobalTimelines {
             let _ = fs.remove_dir_all(tmp);
             return Err(TimelineError::Exists(ttid));
         }
-        let tenant_dir = self.datadir.join(ttid.tenant_id.to_string());
-        let new_tenant = !fs.exists(&tenant_dir);
-        fs.create_dir_all(&tenant_dir)
-            .map_err(|e| TimelineError::io(format!("creating {}", tenant_dir.display()), e))?;
-        let dir = tenant_dir.join(ttid.timeline_id.to_string());
+        let dir = self
+            .datadir
+            .join(ttid.tenant_id.to_string())
+            .join(ttid.timeline_id.to_string());
         if fs.exists(&dir) {
             // Files of a timeline this node does not serve (its deletion was interrupted).
             remove_durably(fs, &self.datadir, &dir, self.no_sync)?;
         }
-        fs.rename(tmp, &dir).map_err(|e| {
-            TimelineError::io(
-                format!("renaming {} to {}", tmp.display(), dir.display()),
-                e,
-            )
-        })?;
-        if !self.no_sync {
-            fsync_dir(fs, &tenant_dir);
-            if new_tenant {
-                fsync_dir(fs, &self.datadir);
-            }
-        }
+        let dir = self.rename_into_place(tmp, ttid)?;
         for name in [ttid.tenant_id.to_string(), timeline_tombstone(&ttid)] {
             self.clear_tombstone(&name)?;
         }
@@ -457,28 +445,41 @@ impl GlobalTimelines {
             state.local_start_lsn = req.start_lsn;
         }
         FileControlStore::create_new_in(fs.clone(), &tmp, state, self.no_sync)?;
-        let tenant_dir = self.datadir.join(ttid.tenant_id.to_string());
-        let new_tenant = !fs.exists(&tenant_dir);
-        fs.create_dir_all(&tenant_dir)
-            .map_err(io("creating", &tenant_dir))?;
-        let dir = tenant_dir.join(ttid.timeline_id.to_string());
         if !self.no_sync {
             fsync_dir(fs, &tmp);
         }
-        fs.rename(&tmp, &dir).map_err(|e| {
+        let dir = self.rename_into_place(&tmp, ttid)?;
+        Timeline::open(fs, &dir, self.node_id, self.no_sync)
+    }
+
+    /// Renames the complete timeline directory `tmp` to `ttid`'s place (creating its tenant
+    /// directory if needed) and makes the rename durable: the timeline directory is in its
+    /// tenant directory, and a new tenant directory in the data directory, before anyone uses
+    /// it. Returns the timeline directory.
+    fn rename_into_place(
+        &self,
+        tmp: &Path,
+        ttid: TenantTimelineId,
+    ) -> Result<PathBuf, TimelineError> {
+        let fs = &self.fs;
+        let tenant_dir = self.datadir.join(ttid.tenant_id.to_string());
+        let new_tenant = !fs.exists(&tenant_dir);
+        fs.create_dir_all(&tenant_dir)
+            .map_err(|e| TimelineError::io(format!("creating {}", tenant_dir.display()), e))?;
+        let dir = tenant_dir.join(ttid.timeline_id.to_string());
+        fs.rename(tmp, &dir).map_err(|e| {
             TimelineError::io(
                 format!("renaming {} to {}", tmp.display(), dir.display()),
                 e,
             )
         })?;
-        // The timeline directory is durable in its tenant directory before anyone uses it.
         if !self.no_sync {
             fsync_dir(fs, &tenant_dir);
             if new_tenant {
                 fsync_dir(fs, &self.datadir);
             }
         }
-        Timeline::open(fs, &dir, self.node_id, self.no_sync)
+        Ok(dir)
     }
 
     /// Persists every timeline's in-memory state that is due, or all of it with `force`.
