@@ -96,6 +96,37 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
+    /// Remote storage that complete, committed WAL segments are backed up to: `file:///path`
+    /// (local files) or `s3://bucket/prefix` (AWS environment: `AWS_ENDPOINT_URL`,
+    /// `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`). Only with it are local
+    /// segments removed (below the backed-up, committed, peer-needed and reader-held WAL, keeping
+    /// --wal-keep-size) and readers below the local WAL served from it. Without it, no WAL is
+    /// ever removed: every segment a reader may need stays on local disk.
+    #[arg(long, env = "SAFEKEEPER_REMOTE_STORAGE")]
+    pub remote_storage: Option<String>,
+
+    /// WAL kept locally below the end of WAL even when it is backed up (like PostgreSQL's
+    /// wal_keep_size): bytes, or with a unit `kB`, `MB`, `GB` (powers of 1024).
+    #[arg(long, env = "SAFEKEEPER_WAL_KEEP_SIZE", default_value = "128MB", value_parser = parse_size)]
+    pub wal_keep_size: u64,
+
+    /// Most disk space one timeline's directory may use (`0`: no limit). Past it, the
+    /// timeline's appends are refused with an error naming this limit, while reads, backup and
+    /// removal go on; appends resume once usage is back under it.
+    #[arg(long, env = "SAFEKEEPER_MAX_TIMELINE_DISK_USAGE", default_value = "0", value_parser = parse_size)]
+    pub max_timeline_disk_usage: u64,
+
+    /// Most used fraction (0 to 1) of the data directory's file system (`0`: no limit). Past
+    /// it, every timeline's appends are refused with an error naming this limit; they resume
+    /// once usage is back under it.
+    #[arg(long, env = "SAFEKEEPER_MAX_DISK_USAGE_RATIO", default_value_t = 0.0, value_parser = parse_ratio)]
+    pub max_disk_usage_ratio: f64,
+
+    /// Most segment uploads (or verifications) in progress at once on the node.
+    #[arg(long, env = "SAFEKEEPER_BACKUP_PARALLELISM", default_value_t = 4,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    pub backup_parallelism: usize,
+
     /// Serve the test-only HTTP routes (failpoints, debug memory). Not a flag: only the
     /// `safekeeper-testing` binary (built with the `testing` feature) sets it; without that
     /// feature the routes are not compiled at all.
@@ -158,8 +189,47 @@ impl Conf {
             handshake_timeout: Duration::from_secs(30),
             http_max_concurrent_requests: 128,
             test_hooks: false,
+            remote_storage: None,
+            wal_keep_size: 128 << 20,
+            backup_parallelism: 4,
+            max_timeline_disk_usage: 0,
+            max_disk_usage_ratio: 0.0,
             log_format: LogFormat::Text,
         }
+    }
+}
+
+/// Parses a size: bytes, or a number with `kB`, `MB`, `GB` (powers of 1024; `KiB`, `MiB`,
+/// `GiB` too).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: expected e.g. 0, 16MB, 1GB"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "k" | "K" | "kB" | "KB" | "KiB" => 1 << 10,
+        "M" | "MB" | "MiB" => 1 << 20,
+        "G" | "GB" | "GiB" => 1 << 30,
+        other => {
+            return Err(format!(
+                "invalid size unit {other:?} in {s:?}: use kB, MB or GB"
+            ));
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// Parses a fraction in `[0, 1)`.
+pub fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if (0.0..1.0).contains(&r) => Ok(r),
+        _ => Err(format!(
+            "invalid ratio {s:?}: expected a number from 0 to below 1, e.g. 0.95"
+        )),
     }
 }
 
@@ -178,6 +248,18 @@ pub fn read_secret_file(flag: &str, path: &Path) -> anyhow::Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("16MB"), Ok(16 << 20));
+        assert_eq!(parse_size("2kB"), Ok(2048));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert!(parse_size("1TB").is_err());
+        assert!(parse_size("MB").is_err());
+        assert!(parse_size("99999999999999GB").is_err());
+    }
 
     #[test]
     fn empty_or_unreadable_secret_files_are_refused_naming_the_file() {

@@ -41,7 +41,7 @@ pub const CONTROL_FILE_TMP_NAME: &str = "safekeeper.control.partial";
 /// First four bytes of every control file.
 pub const CONTROL_FILE_MAGIC: u32 = 0xcafe_ceef;
 /// Version of the layout described in [`encode`].
-pub const CONTROL_FILE_FORMAT_VERSION: u32 = 2;
+pub const CONTROL_FILE_FORMAT_VERSION: u32 = 3;
 /// Larger files are refused before being read.
 pub const MAX_CONTROL_FILE_SIZE: u64 = 1 << 20;
 
@@ -55,7 +55,7 @@ const CRC_LEN: usize = 4;
 /// (`u64 id`, `u32 host_len`, host UTF-8, `u16 pg_port`); acceptor state = `u64 term`, `u32 n`,
 /// n × (`u64 term`, `u64 lsn`), `u32 elected_generation` (since version 2); server = `u32 pg_version`, `u64 system_id`, `u32 wal_seg_size`;
 /// `u64` timeline_start_lsn, local_start_lsn, commit_lsn, peer_horizon_lsn,
-/// remote_consistent_lsn; `u64 creation_ts`.
+/// remote_consistent_lsn; `u64 creation_ts`; `u64 backup_lsn` (since version 3).
 pub fn encode(state: &TimelinePersistentState) -> Vec<u8> {
     let mut b = Vec::with_capacity(256);
     b.extend_from_slice(&CONTROL_FILE_MAGIC.to_le_bytes());
@@ -92,6 +92,7 @@ pub fn encode(state: &TimelinePersistentState) -> Vec<u8> {
         b.extend_from_slice(&lsn.0.to_le_bytes());
     }
     b.extend_from_slice(&state.creation_ts.to_le_bytes());
+    b.extend_from_slice(&state.backup_lsn.0.to_le_bytes());
     let crc = crc32c::crc32c(&b);
     b.extend_from_slice(&crc.to_le_bytes());
     b
@@ -237,6 +238,11 @@ fn decode_body(body: &[u8], version: u32) -> std::result::Result<TimelinePersist
     let (timeline_start_lsn, local_start_lsn, commit_lsn, peer_horizon_lsn, remote_consistent_lsn) =
         (lsn()?, lsn()?, lsn()?, lsn()?, lsn()?);
     let creation_ts = r.u64()?;
+    let backup_lsn = if version >= 3 {
+        Lsn(r.u64()?)
+    } else {
+        Lsn::INVALID
+    };
     if !r.b.is_empty() {
         return Err(format!("{} trailing bytes", r.b.len()));
     }
@@ -259,6 +265,7 @@ fn decode_body(body: &[u8], version: u32) -> std::result::Result<TimelinePersist
         commit_lsn,
         peer_horizon_lsn,
         remote_consistent_lsn,
+        backup_lsn,
         creation_ts,
     })
 }
@@ -439,7 +446,43 @@ mod tests {
         s.commit_lsn = Lsn(0x300_0028);
         s.peer_horizon_lsn = Lsn(0x250_0000);
         s.remote_consistent_lsn = Lsn(0x240_0000);
+        s.backup_lsn = Lsn(0x200_0000);
         s
+    }
+
+    /// The image of `s` in format version 2 (before `backup_lsn`), checksummed.
+    fn version_two_image(s: &TimelinePersistentState) -> Vec<u8> {
+        let v3 = encode(s);
+        let mut v2 = v3[..v3.len() - CRC_LEN - 8].to_vec();
+        v2[4..8].copy_from_slice(&2u32.to_le_bytes());
+        let crc = crc32c::crc32c(&v2);
+        v2.extend_from_slice(&crc.to_le_bytes());
+        v2
+    }
+
+    /// A version-2 file (before `backup_lsn`) still loads, with nothing backed up; it is
+    /// written back as the current version.
+    #[test]
+    fn a_version_two_file_still_loads() {
+        let mut s = sample();
+        s.backup_lsn = Lsn::INVALID;
+        let v2 = version_two_image(&s);
+        assert_eq!(u32::from_le_bytes(v2[4..8].try_into().unwrap()), 2);
+        assert_eq!(decode(&v2, Path::new("x")).unwrap(), s);
+        // A version-3 image decodes its backup_lsn (the field is really read).
+        let v3 = sample();
+        assert_eq!(
+            decode(&encode(&v3), Path::new("x")).unwrap().backup_lsn,
+            Lsn(0x200_0000)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(CONTROL_FILE_NAME), &v2).unwrap();
+        let mut store = FileControlStore::load(dir.path(), true).unwrap();
+        assert_eq!(*store, s);
+        store.persist(&v3).unwrap();
+        let raw = std::fs::read(dir.path().join(CONTROL_FILE_NAME)).unwrap();
+        assert_eq!(u32::from_le_bytes(raw[4..8].try_into().unwrap()), 3);
+        assert_eq!(*FileControlStore::load(dir.path(), true).unwrap(), v3);
     }
 
     #[test]
@@ -519,13 +562,14 @@ mod tests {
         let mut s = sample();
         // Where the field sits: find a marker value in the image.
         s.acceptor_state.elected_generation = Generation(0xa5a5_a5a5);
-        let marked = encode(&s);
+        s.backup_lsn = Lsn::INVALID;
+        let marked = version_two_image(&s);
         let hist_end = marked
             .windows(4)
             .position(|w| w == 0xa5a5_a5a5u32.to_le_bytes())
             .unwrap();
         s.acceptor_state.elected_generation = Generation::INVALID;
-        let v2 = encode(&s);
+        let v2 = version_two_image(&s);
         let mut v1 = v2[..hist_end].to_vec();
         v1.extend_from_slice(&v2[hist_end + 4..v2.len() - CRC_LEN]);
         v1[4..8].copy_from_slice(&1u32.to_le_bytes());

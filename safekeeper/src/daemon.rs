@@ -155,6 +155,8 @@ pub async fn bind(conf: &Conf) -> anyhow::Result<Listeners> {
 }
 
 /// How long shutdown waits for connections to finish their in-flight work.
+/// How often the WAL lifecycle driver starts backup and removal passes.
+const LIFECYCLE_TICK: Duration = Duration::from_secs(1);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
 
 /// Serves until `shutdown` resolves, then stops accepting, lets in-flight work finish (queued
@@ -183,6 +185,11 @@ pub async fn run(
         _ => bail!("--tls-cert and --tls-key go together"),
     };
     conf.check_open_binding()?;
+    // Remote storage: a bad URL or configuration stops start-up, naming the flag.
+    let remote = match &conf.remote_storage {
+        Some(url) => Some(crate::wal_backup::RemoteStorage::from_url(url)?),
+        None => None,
+    };
     let lock = DataDirLock::acquire(&conf.datadir)?;
     let pg_conf = WalServiceConf {
         server: ServerConfig {
@@ -233,6 +240,38 @@ pub async fn run(
     let cancel = CancellationToken::new();
     let tasks = TaskTracker::new();
     let manager = tokio::spawn(timelines.clone().run_manager(cancel.clone()));
+    // WAL lifecycle (issue 19): backup and removal, only with remote storage.
+    let lifecycle = match remote {
+        Some(storage) => {
+            tracing::info!(
+                remote = storage.url(),
+                wal_keep_size = conf.wal_keep_size,
+                "WAL backup on"
+            );
+            let backup = crate::wal_backup::Backup::new(storage, conf.backup_parallelism);
+            Some(tokio::spawn(crate::wal_backup::run_lifecycle(
+                timelines.clone(),
+                backup,
+                conf.wal_keep_size,
+                LIFECYCLE_TICK,
+                cancel.clone(),
+            )))
+        }
+        None => None,
+    };
+    let limits = crate::disk_usage::DiskLimits {
+        max_timeline_bytes: conf.max_timeline_disk_usage,
+        max_fs_ratio: conf.max_disk_usage_ratio,
+        datadir: conf.datadir.clone(),
+    };
+    let disk = limits.any().then(|| {
+        tokio::spawn(crate::disk_usage::run(
+            timelines.clone(),
+            limits,
+            LIFECYCLE_TICK,
+            cancel.clone(),
+        ))
+    });
     let reloader = tokio::spawn(reload_on_sighup(auth.clone(), tls.clone(), cancel.clone()));
     let pg = tokio::spawn(wal_service::run(
         listeners.pg,
@@ -269,6 +308,9 @@ pub async fn run(
         tracing::warn!("connections did not finish within {SHUTDOWN_GRACE:?}");
     }
     let _ = manager.await;
+    for task in [lifecycle, disk].into_iter().flatten() {
+        let _ = task.await;
+    }
     let _ = reloader.await;
     tokio::task::spawn_blocking(move || timelines.persist_all())
         .await

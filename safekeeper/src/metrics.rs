@@ -147,6 +147,54 @@ pub fn count_proposer_message(kind: &str, ok: bool) {
     }
 }
 
+/// `safekeeper_backup_uploaded_bytes_total`: WAL bytes this node stored in remote storage.
+pub static BACKUP_UPLOADED_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_backup_uploaded_bytes_total",
+        "WAL segment bytes this node stored in remote storage",
+    )
+});
+
+/// `safekeeper_backup_segments_total{outcome}`: segments backed up, by outcome: `uploaded`
+/// (this node stored it) or `verified` (another node had stored it; verified identical).
+pub static BACKUP_SEGMENTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "safekeeper_backup_segments_total",
+        "WAL segments backed up: uploaded here, or found stored and verified identical",
+        &["outcome"],
+    )
+});
+
+/// `safekeeper_backup_errors_total`: failed segment uploads or verifications (each retried).
+pub static BACKUP_ERRORS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_backup_errors_total",
+        "Failed WAL segment uploads or verifications (retried with backoff)",
+    )
+});
+
+/// `safekeeper_backup_upload_seconds`: time to back up one segment.
+pub static BACKUP_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    let h = Histogram::with_opts(
+        HistogramOpts::new(
+            "safekeeper_backup_upload_seconds",
+            "Time to back up one WAL segment (upload or verification)",
+        )
+        .buckets(exponential_buckets(0.001, 2.0, 16).expect("valid buckets")),
+    )
+    .expect("valid metric");
+    prometheus::register(Box::new(h.clone())).expect("metric registered once");
+    h
+});
+
+/// `safekeeper_wal_removed_segments_total`: local segments removed below the horizon.
+pub static WAL_REMOVED_SEGMENTS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_wal_removed_segments_total",
+        "Local WAL segments removed below the removal horizon",
+    )
+});
+
 /// Forces registration of every metric so `/metrics` shows them before first use.
 pub fn register() {
     LazyLock::force(&WAL_WRITTEN_BYTES);
@@ -159,4 +207,9 @@ pub fn register() {
     LazyLock::force(&RECEIVER_QUEUE_BYTES);
     LazyLock::force(&PG_CONNECTIONS);
     LazyLock::force(&PROPOSER_MESSAGES);
+    LazyLock::force(&BACKUP_UPLOADED_BYTES);
+    LazyLock::force(&BACKUP_SEGMENTS);
+    LazyLock::force(&BACKUP_ERRORS);
+    LazyLock::force(&BACKUP_SECONDS);
+    LazyLock::force(&WAL_REMOVED_SEGMENTS);
 }

@@ -77,7 +77,6 @@ pub fn snapshot_body(tl: Arc<Timeline>) -> Body {
     let span = crate::timeline::span(&tl.ttid);
     tokio::task::spawn_blocking(move || {
         let _span = span.entered();
-        let _hold = tl.hold_wal();
         match produce(&tl, &tx) {
             Ok(bytes) => tracing::info!(bytes, "snapshot served"),
             Err(e) => {
@@ -97,6 +96,14 @@ fn produce(tl: &Timeline, tx: &mpsc::Sender<Result<Bytes, std::io::Error>>) -> R
             .map_err(|_| "the puller went away".to_string())
     };
     let p = tl.snapshot_point();
+    // Keeps the WAL from removal until the transfer ends.
+    let _hold = tl.hold_wal(p.start).ok_or_else(|| {
+        format!(
+            "WAL from {} was removed after backup: a timeline whose WAL was removed cannot be \
+             pulled yet",
+            p.start
+        )
+    })?;
     send(Bytes::from_static(SNAPSHOT_MAGIC))?;
     send(frame(
         FRAME_CONTROL,

@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::metrics;
 use crate::timeline::{Positions, TermRead, Timeline};
+use crate::wal_backup::RemoteSegment;
 use pg_wal::format::xlog_file_name;
 use pq_proto::replication::StandbyMessage;
 use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
@@ -76,24 +77,36 @@ where
         .await?;
         return Ok(StreamEnd::CopyDone(conn));
     }
-    let oldest = tl.oldest_available_lsn();
-    if start < oldest || !tl.has_segment_at(start) {
-        conn.send_error(ErrorFields::error(
-            sqlstate::UNDEFINED_OBJECT,
-            format!(
-                "requested WAL segment {} has already been removed",
-                xlog_file_name(1, start.segment_number(tl.seg_size), tl.seg_size)
-            ),
-        ))
-        .await?;
-        return Ok(StreamEnd::CopyDone(conn));
+    // Below the local WAL (removed after backup), the segment comes from remote storage.
+    let mut remote_seg: RemoteSegment = None;
+    let local = start >= tl.oldest_available_lsn() && tl.has_segment_at(start);
+    if !local {
+        let mut probe = Vec::new();
+        let from_remote =
+            crate::wal_backup::read_remote(&tl, start, start, &mut remote_seg, &mut probe).await;
+        if !matches!(from_remote, Ok(Some(_))) {
+            if let Err(e) = from_remote {
+                tracing::warn!("reading WAL at {start} from remote storage: {e:#}");
+            }
+            conn.send_error(removed_error(&tl, start)).await?;
+            return Ok(StreamEnd::CopyDone(conn));
+        }
     }
 
     let _counted = tl.reader_guard();
     conn.send_copy_both_response().await?;
     let (mut reader, mut writer) = conn.split();
     tracing::info!(%start, ?term, "streaming WAL");
-    let result = stream(&mut reader, &mut writer, &tl, start, term, shutdown).await;
+    let result = stream(
+        &mut reader,
+        &mut writer,
+        &tl,
+        start,
+        term,
+        remote_seg,
+        shutdown,
+    )
+    .await;
     match result {
         Ok(true) => {
             // CopyDone from the client: answer it and go back to query mode.
@@ -114,6 +127,17 @@ where
         }
         Err(Ending::Io(e)) => Err(e),
     }
+}
+
+/// PostgreSQL's error for WAL that is neither local nor in remote storage.
+fn removed_error(tl: &Timeline, lsn: Lsn) -> ErrorFields {
+    ErrorFields::error(
+        sqlstate::UNDEFINED_OBJECT,
+        format!(
+            "requested WAL segment {} has already been removed",
+            xlog_file_name(1, lsn.segment_number(tl.seg_size), tl.seg_size)
+        ),
+    )
 }
 
 fn end_of(pos: &Positions, term: Option<Term>) -> Lsn {
@@ -151,12 +175,15 @@ async fn stream<R, W>(
     tl: &Arc<Timeline>,
     mut pos: Lsn,
     term: Option<Term>,
+    mut remote_seg: RemoteSegment,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<bool, Ending>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    // The local WAL this reader holds against removal; none while it reads from the backup.
+    let mut hold = tl.hold_wal(pos);
     let mut watch = tl.subscribe();
     let mut buf = Vec::with_capacity(MAX_SEND_SIZE);
     let mut keepalive = tokio::time::interval(KEEPALIVE_INTERVAL);
@@ -211,43 +238,62 @@ where
                     }
                 }
                 buf.clear();
-                let read = {
-                    let tl = tl.clone();
-                    let mut b = std::mem::take(&mut buf);
-                    tokio::task::spawn_blocking(move || {
-                        #[cfg(test)]
-                        tl.run_before_wal_read_hook();
-                        // A (term='N') reader's term check covers its read: both happen under
-                        // the acceptor lock, so a new term cannot truncate the range between.
-                        let r = match term {
-                            Some(t) => tl.read_wal_in_term(t, pos, chunk_end, &mut b),
-                            None => tl.read_wal(pos, chunk_end, &mut b).map(|()| TermRead::Read),
-                        };
-                        (r, b)
-                    })
-                    .await
-                    .map_err(|e| Ending::Io(PqError::Io(std::io::Error::other(e))))?
-                };
-                buf = read.1;
-                match read.0 {
-                    Ok(TermRead::Read) => {}
-                    Ok(TermRead::TermChanged(now)) => {
-                        return Err(term_changed(term.unwrap_or(now), now));
+                if hold.is_none() {
+                    hold = tl.hold_wal(pos);
+                }
+                if hold.is_none() {
+                    // Removed here after backup: serve the segment from remote storage.
+                    match crate::wal_backup::read_remote(tl, pos, chunk_end, &mut remote_seg, &mut buf).await {
+                        Ok(Some(e)) => chunk_end = e,
+                        other => {
+                            if let Err(e) = other {
+                                tracing::error!("reading WAL at {pos} from remote storage: {e:#}");
+                            }
+                            return Err(Ending::Error(removed_error(tl, pos)));
+                        }
                     }
-                    // Truncated in the same term: look at the positions again.
-                    Ok(TermRead::Truncated(_)) => continue,
-                    Err(e) => {
-                        tracing::error!("reading WAL at {pos}: {e}");
-                        return Err(Ending::Error(ErrorFields::error(
-                            sqlstate::INTERNAL_ERROR,
-                            format!("could not read WAL at {pos}"),
-                        )));
+                } else {
+                    let read = {
+                        let tl = tl.clone();
+                        let mut b = std::mem::take(&mut buf);
+                        tokio::task::spawn_blocking(move || {
+                            #[cfg(test)]
+                            tl.run_before_wal_read_hook();
+                            // A (term='N') reader's term check covers its read: both happen under
+                            // the acceptor lock, so a new term cannot truncate the range between.
+                            let r = match term {
+                                Some(t) => tl.read_wal_in_term(t, pos, chunk_end, &mut b),
+                                None => tl.read_wal(pos, chunk_end, &mut b).map(|()| TermRead::Read),
+                            };
+                            (r, b)
+                        })
+                        .await
+                        .map_err(|e| Ending::Io(PqError::Io(std::io::Error::other(e))))?
+                    };
+                    buf = read.1;
+                    match read.0 {
+                        Ok(TermRead::Read) => {}
+                        Ok(TermRead::TermChanged(now)) => {
+                            return Err(term_changed(term.unwrap_or(now), now));
+                        }
+                        // Truncated in the same term: look at the positions again.
+                        Ok(TermRead::Truncated(_)) => continue,
+                        Err(e) => {
+                            tracing::error!("reading WAL at {pos}: {e}");
+                            return Err(Ending::Error(ErrorFields::error(
+                                sqlstate::INTERNAL_ERROR,
+                                format!("could not read WAL at {pos}"),
+                            )));
+                        }
                     }
                 }
                 writer.write_xlog_data(pos, end, pg_now(), &buf);
                 writer.flush().await?;
                 metrics::WAL_SENT_BYTES.inc_by(buf.len() as u64);
                 pos = chunk_end;
+                if let Some(h) = &hold {
+                    h.advance(pos);
+                }
                 keepalive.reset();
             }
             changed = watch.changed(), if !have_wal => {

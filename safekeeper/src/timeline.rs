@@ -24,6 +24,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::control_file::FileControlStore;
+use crate::remove_wal::{HorizonInputs, ReadHold, ReadHolds, removal_horizon};
+use crate::wal_backup::RemoteStorage;
 use crate::wal_store::{WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
 
 /// Segments are prepared (zero-filled off the ingest path) for timelines whose WAL arrives
@@ -106,6 +108,12 @@ pub struct TimelineStatus {
     pub proposers: usize,
     /// Connected readers.
     pub readers: usize,
+    /// Complete segments below this are in remote storage.
+    pub backup_lsn: Lsn,
+    /// Local segments below this LSN were removed (served from remote storage).
+    pub removal_horizon_lsn: Lsn,
+    /// Where this timeline's segments are backed up (`None` without remote storage).
+    pub remote_location: Option<String>,
 }
 
 /// The span of everything done for timeline `ttid`: every log line inside it carries the
@@ -135,8 +143,12 @@ pub struct Timeline {
     /// Cancelled when the timeline is deleted: its connections end, its acceptor refuses
     /// every message.
     deleted: CancellationToken,
-    /// Snapshots in transfer (see [`Timeline::hold_wal`]).
-    wal_holds: AtomicUsize,
+    /// Readers' holds on local WAL, and what removal took (issue 19).
+    holds: Arc<ReadHolds>,
+    /// The node's remote storage, set by the backup driver when it first sees the timeline.
+    remote: std::sync::OnceLock<Arc<RemoteStorage>>,
+    /// Why appends are refused (a disk-usage limit reached), if they are.
+    disk_limit: Mutex<Option<String>>,
     /// Test hook: runs in a walsender between its term check and its WAL read.
     #[cfg(test)]
     pub(crate) before_wal_read: Mutex<Option<Box<dyn FnMut() + Send>>>,
@@ -172,13 +184,13 @@ impl Timeline {
             tenant_id: control.tenant_id,
             timeline_id: control.timeline_id,
         };
-        verify_committed_wal(
-            fs,
-            dir,
-            seg_size,
-            control.local_start_lsn,
-            control.commit_lsn,
-        )?;
+        // Segments below the first local one were removed after backup: verify from there.
+        let first_local = crate::remove_wal::first_local_segment(fs, dir, seg_size)?;
+        let verify_from = match first_local {
+            Some(n) if Lsn(n * seg_size) > control.local_start_lsn => Lsn(n * seg_size),
+            _ => control.local_start_lsn,
+        };
+        verify_committed_wal(fs, dir, seg_size, verify_from, control.commit_lsn)?;
         let reader = wal.reader();
         let acceptor =
             SafeKeeper::new(node_id, control, wal).map_err(|source| TimelineError::Acceptor {
@@ -198,7 +210,9 @@ impl Timeline {
             readers: AtomicUsize::new(0),
             last_persist: Mutex::new(Instant::now()),
             deleted: CancellationToken::new(),
-            wal_holds: AtomicUsize::new(0),
+            holds: Arc::new(ReadHolds::new(first_local.unwrap_or(0))),
+            remote: std::sync::OnceLock::new(),
+            disk_limit: Mutex::new(None),
             #[cfg(test)]
             before_wal_read: Mutex::new(None),
         })
@@ -214,6 +228,13 @@ impl Timeline {
         &self,
         msg: &ProposerAcceptorMessage,
     ) -> Result<Option<AcceptorProposerMessage>, SafeKeeperError> {
+        if let ProposerAcceptorMessage::AppendRequest(a)
+        | ProposerAcceptorMessage::NoFlushAppendRequest(a) = msg
+            && !a.wal_data.is_empty()
+            && let Some(why) = self.disk_limit.lock().expect("disk limit lock").clone()
+        {
+            return Err(storage::Error::NoSpace(why).into());
+        }
         let mut acceptor = self.lock();
         if self.deleted.is_cancelled() {
             return Err(storage::Error::Rejected(format!(
@@ -246,18 +267,6 @@ impl Timeline {
             flush,
             state,
         }
-    }
-
-    /// Keeps this timeline's WAL from being removed until the guard drops (a snapshot in
-    /// transfer). WAL removal must check [`Timeline::wal_removal_held`].
-    pub fn hold_wal(self: &Arc<Self>) -> WalHold {
-        self.wal_holds.fetch_add(1, Ordering::SeqCst);
-        WalHold { tl: self.clone() }
-    }
-
-    /// Whether a snapshot in transfer needs the WAL kept.
-    pub fn wal_removal_held(&self) -> bool {
-        self.wal_holds.load(Ordering::SeqCst) > 0
     }
 
     /// Marks the timeline deleted: waits for a `process_msg` in progress, then every later
@@ -344,7 +353,89 @@ impl Timeline {
     pub fn oldest_available_lsn(&self) -> Lsn {
         let a = self.lock();
         let start = a.state().local_start_lsn.max(a.state().timeline_start_lsn);
-        start.segment_start(self.seg_size)
+        drop(a);
+        let removed = Lsn(self.holds.removed_below() * self.seg_size);
+        start.segment_start(self.seg_size).max(removed)
+    }
+
+    /// The oldest LSN a reader can start at, locally or from remote storage: with remote storage
+    /// the start of this node's WAL (removed segments are served from the backup), else
+    /// [`Timeline::oldest_available_lsn`].
+    pub fn oldest_servable_lsn(&self) -> Lsn {
+        if self.remote().is_some() {
+            self.wal_start_lsn().segment_start(self.seg_size)
+        } else {
+            self.oldest_available_lsn()
+        }
+    }
+
+    /// Where this node's WAL begins: `max(local_start_lsn, timeline_start_lsn)` (invalid for a
+    /// timeline without WAL yet).
+    pub fn wal_start_lsn(&self) -> Lsn {
+        let a = self.lock();
+        a.state().local_start_lsn.max(a.state().timeline_start_lsn)
+    }
+
+    /// Complete segments below this are in remote storage.
+    pub fn backup_lsn(&self) -> Lsn {
+        self.lock().inmem().backup_lsn
+    }
+
+    /// Records that complete segments below `lsn` are in remote storage (persisted with the
+    /// other in-memory LSNs by the timeline manager). Never moves back.
+    pub fn set_backup_lsn(&self, lsn: Lsn) {
+        self.lock().set_backup_lsn(lsn);
+    }
+
+    /// The node's remote storage, once the backup driver has set it.
+    pub fn remote(&self) -> Option<&Arc<RemoteStorage>> {
+        self.remote.get()
+    }
+
+    /// Sets the node's remote storage (first call wins).
+    pub fn set_remote(&self, remote: Arc<RemoteStorage>) {
+        let _ = self.remote.set(remote);
+    }
+
+    /// Sets why appends are refused (`None`: they are taken). Returns whether it changed.
+    pub fn set_disk_limit(&self, why: Option<String>) -> bool {
+        let mut cur = self.disk_limit.lock().expect("disk limit lock");
+        let changed = cur.is_some() != why.is_some();
+        *cur = why;
+        changed
+    }
+
+    /// Holds local WAL from `lsn` on for a reader; `None` if its segment was removed.
+    pub fn hold_wal(&self, lsn: Lsn) -> Option<ReadHold> {
+        self.holds.hold(lsn, self.seg_size)
+    }
+
+    /// Removes the local segments below the removal horizon (see [`crate::remove_wal`]),
+    /// keeping `wal_keep_size` bytes below the flush LSN; nothing without remote storage.
+    /// Durable (directory fsync) before it returns the number of segments removed. Blocking.
+    pub fn remove_old_wal(&self, wal_keep_size: u64) -> storage::Result<usize> {
+        let remote_on = self.remote().is_some();
+        let inputs = {
+            let a = self.lock();
+            HorizonInputs {
+                flush_lsn: a.flush_lsn(),
+                commit_lsn: a.commit_lsn(),
+                peer_horizon_lsn: a.inmem().peer_horizon_lsn,
+                backup_lsn: remote_on.then(|| a.inmem().backup_lsn),
+                oldest_reader: None,
+                wal_keep_size,
+            }
+        };
+        self.holds.remove_below(
+            self.seg_size,
+            |oldest_reader| {
+                removal_horizon(&HorizonInputs {
+                    oldest_reader,
+                    ..inputs
+                })
+            },
+            |below| self.lock().wal_mut().remove_segments_below(below),
+        )
     }
 
     /// Everything the HTTP status shows, read under the acceptor lock.
@@ -372,6 +463,9 @@ impl Timeline {
             elected_generation: s.acceptor_state.elected_generation.0,
             proposers: self.proposers.load(Ordering::Relaxed),
             readers: self.readers.load(Ordering::Relaxed),
+            backup_lsn: a.inmem().backup_lsn,
+            removal_horizon_lsn: Lsn(self.holds.removed_below() * self.seg_size),
+            remote_location: self.remote().map(|r| r.timeline_location(&self.ttid)),
         }
     }
 
@@ -416,17 +510,6 @@ pub struct SnapshotPoint {
     pub start: Lsn,
     /// The durable end of WAL.
     pub flush: Lsn,
-}
-
-/// Keeps a timeline's WAL from removal while it lives.
-pub struct WalHold {
-    tl: Arc<Timeline>,
-}
-
-impl Drop for WalHold {
-    fn drop(&mut self) {
-        self.tl.wal_holds.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 #[derive(Clone, Copy)]

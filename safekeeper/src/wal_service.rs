@@ -329,8 +329,8 @@ async fn handle_connection(
                 else {
                     continue;
                 };
-                // Slots are not kept here: every slot name maps to the oldest WAL we hold, so a
-                // reader with a slot starts where our WAL starts.
+                // Slots are not kept here: every slot name maps to the oldest WAL we serve (from
+                // remote storage too), so a reader with a slot starts where our WAL starts.
                 tracing::debug!(%slot, "READ_REPLICATION_SLOT");
                 conn.send_result_set(
                     &[
@@ -340,7 +340,7 @@ async fn handle_connection(
                     ],
                     &[vec![
                         Some("physical".to_string()),
-                        Some(tl.oldest_available_lsn().to_string()),
+                        Some(tl.oldest_servable_lsn().to_string()),
                         Some("1".to_string()),
                     ]],
                     "READ_REPLICATION_SLOT",

@@ -12,6 +12,9 @@
 //! - `e2e_tls/tls={off,on}/size=131072` and `e2e_tls_commit/tls={off,on}/size=8192`: the same
 //!   with one safekeeper, over plain TCP and over TLS (rustls, `--sslmode require`), in the
 //!   same run: the ratio is what TLS costs ingest.
+//! - `e2e_backup/backup={off,on}/size=131072`: 3 safekeepers, 128 KiB pipelined, without and
+//!   with `--remote-storage file://` (backup of complete segments beside the data directory),
+//!   in the same run: the ratio is what WAL backup costs ingest.
 //! - `e2e_connect/{plain,tls,jwt,tls+jwt}`: connection set-up: TCP connect, TLS handshake,
 //!   startup and authentication (a JWT checked against an Ed25519 key) until ReadyForQuery.
 //!   Throughput: connections.
@@ -117,11 +120,14 @@ fn secrets() -> Secrets {
 struct Security {
     tls: bool,
     jwt: bool,
+    /// WAL backup to a `file://` store beside the data directory (issue 19).
+    backup: bool,
 }
 
 const PLAIN: Security = Security {
     tls: false,
     jwt: false,
+    backup: false,
 };
 
 /// A daemon running inside the bench process.
@@ -140,6 +146,9 @@ async fn start_daemon(datadir: &Path, id: u64, sec: Security, secrets: &Secrets)
     }
     if sec.jwt {
         conf.auth_public_key_path = Some(secrets.jwt_public.clone());
+    }
+    if sec.backup {
+        conf.remote_storage = Some(format!("file://{}/remote", datadir.display()));
     }
     let listeners = daemon::bind(&conf).await.expect("bind");
     let addr = SafekeeperAddr {
@@ -278,6 +287,7 @@ fn e2e(c: &mut Criterion) {
             Security {
                 tls: true,
                 jwt: false,
+                ..PLAIN
             },
         ),
     ];
@@ -293,6 +303,20 @@ fn e2e(c: &mut Criterion) {
         );
     }
     g.finish();
+    // WAL backup on against off (file:// store on the same disk), 3 safekeepers, same run: the
+    // ratio is what backup costs ingest.
+    let mut g = c.benchmark_group("e2e_backup");
+    g.sampling_mode(SamplingMode::Flat);
+    g.throughput(Throughput::Bytes(total));
+    for (name, backup) in [("off", false), ("on", true)] {
+        let sec = Security { backup, ..PLAIN };
+        g.bench_function(
+            BenchmarkId::new(format!("backup={name}"), format!("size={size}")),
+            |b| b.iter_custom(|iters| run_times(iters, &rt, 3, &opts, sec, secrets)),
+        );
+    }
+    g.finish();
+
     let mut g = c.benchmark_group("e2e_tls_commit");
     g.sampling_mode(SamplingMode::Flat);
     let size = 8 * KIB;
@@ -315,6 +339,7 @@ fn e2e(c: &mut Criterion) {
             Security {
                 tls: true,
                 jwt: false,
+                ..PLAIN
             },
         ),
         (
@@ -322,6 +347,7 @@ fn e2e(c: &mut Criterion) {
             Security {
                 tls: false,
                 jwt: true,
+                ..PLAIN
             },
         ),
         (
@@ -329,6 +355,7 @@ fn e2e(c: &mut Criterion) {
             Security {
                 tls: true,
                 jwt: true,
+                ..PLAIN
             },
         ),
     ] {

@@ -143,6 +143,8 @@ pub struct InMemoryState {
     pub peer_horizon_lsn: Lsn,
     /// WAL the pageserver has uploaded to remote storage.
     pub remote_consistent_lsn: Lsn,
+    /// Complete segments below this are in remote storage (set by the backup task).
+    pub backup_lsn: Lsn,
 }
 
 /// One timeline's acceptor.
@@ -173,6 +175,7 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
             commit_lsn: control.commit_lsn,
             peer_horizon_lsn: control.peer_horizon_lsn,
             remote_consistent_lsn: control.remote_consistent_lsn,
+            backup_lsn: control.backup_lsn,
         };
         Ok(SafeKeeper {
             node_id,
@@ -299,7 +302,14 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
         s.commit_lsn = self.inmem.commit_lsn;
         s.peer_horizon_lsn = self.inmem.peer_horizon_lsn;
         s.remote_consistent_lsn = self.inmem.remote_consistent_lsn;
+        s.backup_lsn = self.inmem.backup_lsn;
         s
+    }
+
+    /// Records that complete segments below `lsn` are stored remotely (persisted lazily with
+    /// the other in-memory values). Never moves back.
+    pub fn set_backup_lsn(&mut self, lsn: Lsn) {
+        self.inmem.backup_lsn = self.inmem.backup_lsn.max(lsn);
     }
 
     /// Persists the in-memory values if they differ from the control file. Returns whether it

@@ -110,6 +110,9 @@ pub struct TimelinePersistentState {
     pub peer_horizon_lsn: Lsn,
     /// WAL before this is consumed downstream and may be removed.
     pub remote_consistent_lsn: Lsn,
+    /// Complete segments below this are stored in remote storage (0 without remote storage).
+    /// Only grows; committed WAL only, so no term truncates below it.
+    pub backup_lsn: Lsn,
     /// Creation time, seconds since the Unix epoch (set by whoever creates the timeline; the
     /// consensus core never reads the clock).
     pub creation_ts: u64,
@@ -135,6 +138,7 @@ impl TimelinePersistentState {
             commit_lsn: Lsn::INVALID,
             peer_horizon_lsn: Lsn::INVALID,
             remote_consistent_lsn: Lsn::INVALID,
+            backup_lsn: Lsn::INVALID,
             creation_ts,
         }
     }

@@ -258,6 +258,35 @@ impl WalFileStore {
         Ok(removed)
     }
 
+    /// Deletes every segment file numbered below `below`, in ascending order, then fsyncs the
+    /// directory (unless `no_sync`), so that no crash leaves a gap below a kept segment.
+    /// Refused for the segment being written. Returns the number of files removed.
+    pub fn remove_segments_below(&mut self, below: u64) -> Result<usize> {
+        if below == 0 {
+            return Ok(0);
+        }
+        if self.write_lsn.is_valid() && below > self.write_lsn.segment_number(self.seg_size) {
+            return Err(Error::Rejected(format!(
+                "cannot remove segments below {below}: WAL is being written at {}",
+                self.write_lsn
+            )));
+        }
+        let mut segs = self.list_segments()?;
+        segs.sort_unstable_by_key(|s| s.0);
+        let mut removed = 0;
+        for (_, _, path) in segs.into_iter().filter(|s| s.0 < below) {
+            self.opts
+                .fs
+                .remove_file(&path)
+                .map_err(|e| Error::io(format!("removing {}", path.display()), e))?;
+            removed += 1;
+        }
+        if removed > 0 && !self.opts.no_sync {
+            fsync_dir(&self.opts.fs, &self.dir);
+        }
+        Ok(removed)
+    }
+
     fn list_segments(&self) -> Result<Vec<(u64, bool, PathBuf)>> {
         let ctx = || format!("listing {}", self.dir.display());
         let mut out = Vec::new();

@@ -1,0 +1,507 @@
+//! Backup of complete, committed WAL segments to remote storage (`--remote-storage URL`), through
+//! the `object_store` crate: `file:///path` (local files, the embedded default) or
+//! `s3://bucket/prefix` (the usual AWS environment: `AWS_ENDPOINT_URL`, `AWS_REGION`, keys).
+//!
+//! Objects are laid out as `<prefix>/<tenant_id>/<timeline_id>/<segment name>`. Several
+//! safekeepers hold the same segment: each one stores it with a conditional create
+//! (`PutMode::Create`, create-if-absent), so a segment is stored once; a node that finds it
+//! already stored downloads it and verifies size and CRC-32C against its own copy instead of
+//! overwriting it (no election between nodes). A mismatch is an error, retried and counted,
+//! and the segment is never counted as backed up here.
+//!
+//! A segment is backed up once it is complete (its end is at or below the commit LSN, so no term
+//! truncates it) and renamed from `.partial`. Uploads run off the ingest path, at most
+//! `--backup-parallelism` at once on the node, each retried with exponential backoff until it
+//! succeeds or the daemon stops. `backup_lsn` (the end of the contiguous backed-up prefix)
+//! is kept in the control file; after a restart a timeline's first pass lists its remote objects
+//! and verifies (instead of uploading) the segments already stored.
+//!
+//! With `file://`, an object is fsynced (file and directories) before it counts as stored:
+//! `object_store`'s local store renames its objects in without syncing them.
+//!
+//! Not here: which local segments may be removed ([`crate::remove_wal`]).
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
+use sk_core::types::{Lsn, TenantTimelineId};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics;
+use crate::timeline::Timeline;
+use crate::wal_store::segment_path;
+use pg_wal::format::{parse_xlog_file_name, xlog_file_name};
+
+/// First retry delay of a failed upload; doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest delay between two attempts of one segment.
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// A remote store of WAL segments.
+pub struct RemoteStorage {
+    store: Arc<dyn ObjectStore>,
+    /// Key prefix (no leading or trailing `/`), empty for the store's root.
+    prefix: String,
+    url: String,
+    /// The directory of a `file://` store (its objects are fsynced there).
+    local_root: Option<PathBuf>,
+}
+
+/// How a segment came to be backed up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// This node stored it.
+    Uploaded,
+    /// It was already stored (by another node, or before a restart) and matches the local copy.
+    Verified,
+}
+
+impl RemoteStorage {
+    /// Opens the store of `url`: `file:///absolute/path` (created if missing) or
+    /// `s3://bucket[/prefix]` configured from the AWS environment (an `http://`
+    /// `AWS_ENDPOINT_URL`, as of a local S3 server, is allowed).
+    pub fn from_url(url: &str) -> anyhow::Result<RemoteStorage> {
+        let url = url.trim_end_matches('/').to_string();
+        if let Some(path) = url.strip_prefix("file://") {
+            if !path.starts_with('/') {
+                bail!("--remote-storage {url}: a file:// URL needs an absolute path");
+            }
+            let root = PathBuf::from(path);
+            std::fs::create_dir_all(&root)
+                .with_context(|| format!("--remote-storage {url}: creating {path}"))?;
+            let store = object_store::local::LocalFileSystem::new_with_prefix(&root)
+                .with_context(|| format!("--remote-storage {url}"))?;
+            return Ok(RemoteStorage {
+                store: Arc::new(store),
+                prefix: String::new(),
+                url,
+                local_root: Some(root),
+            });
+        }
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                bail!("--remote-storage {url}: no bucket name");
+            }
+            let mut builder =
+                object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+            if std::env::var("AWS_ENDPOINT_URL").is_ok_and(|e| e.starts_with("http://")) {
+                builder = builder.with_allow_http(true);
+            }
+            let store = builder
+                .build()
+                .with_context(|| format!("--remote-storage {url}"))?;
+            return Ok(RemoteStorage {
+                store: Arc::new(store),
+                prefix: prefix.trim_matches('/').to_string(),
+                url,
+                local_root: None,
+            });
+        }
+        bail!("--remote-storage {url}: unsupported URL (use file:///path or s3://bucket/prefix)")
+    }
+
+    /// The URL the store was opened with.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn timeline_key(&self, ttid: &TenantTimelineId) -> String {
+        let tl = format!("{}/{}", ttid.tenant_id, ttid.timeline_id);
+        if self.prefix.is_empty() {
+            tl
+        } else {
+            format!("{}/{tl}", self.prefix)
+        }
+    }
+
+    /// Where a timeline's segments are stored, for the status page.
+    pub fn timeline_location(&self, ttid: &TenantTimelineId) -> String {
+        let tl = format!("{}/{}", ttid.tenant_id, ttid.timeline_id);
+        format!("{}/{tl}", self.url)
+    }
+
+    fn object(&self, ttid: &TenantTimelineId, segno: u64, seg_size: u64) -> ObjPath {
+        ObjPath::from(format!(
+            "{}/{}",
+            self.timeline_key(ttid),
+            xlog_file_name(1, segno, seg_size)
+        ))
+    }
+
+    /// The segments stored for `ttid`, with their sizes.
+    pub async fn list_segments(
+        &self,
+        ttid: &TenantTimelineId,
+        seg_size: u64,
+    ) -> anyhow::Result<Vec<(u64, u64)>> {
+        let prefix = ObjPath::from(self.timeline_key(ttid));
+        let mut out = Vec::new();
+        let mut list = self.store.list(Some(&prefix));
+        while let Some(meta) = list.next().await {
+            let meta = meta.with_context(|| format!("listing {}", self.timeline_location(ttid)))?;
+            if let Some(name) = meta.location.filename()
+                && let Some((segno, false)) = parse_xlog_file_name(name, seg_size)
+            {
+                out.push((segno, meta.size));
+            }
+        }
+        out.sort_unstable();
+        Ok(out)
+    }
+
+    /// The stored segment `segno` of `ttid`, or `None` if it is not stored.
+    pub async fn read_segment(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        seg_size: u64,
+    ) -> anyhow::Result<Option<Bytes>> {
+        let path = self.object(ttid, segno, seg_size);
+        match self.store.get(&path).await {
+            Ok(r) => Ok(Some(
+                r.bytes().await.with_context(|| format!("reading {path}"))?,
+            )),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {path}")),
+        }
+    }
+
+    /// Stores segment `segno` of `ttid` (its full image `data`) unless it is already stored, in
+    /// which case the stored object must equal `data` from byte `valid_from` on (the bytes
+    /// before a node's WAL start differ between nodes) and have the same size. `known_stored`
+    /// skips the upload attempt (the remote listing showed the object).
+    pub async fn backup_segment(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        data: Bytes,
+        valid_from: usize,
+        known_stored: bool,
+    ) -> anyhow::Result<Outcome> {
+        let seg_size = data.len() as u64;
+        let path = self.object(ttid, segno, seg_size);
+        let outcome = if known_stored {
+            Outcome::Verified
+        } else {
+            let opts = PutOptions {
+                mode: PutMode::Create,
+                ..PutOptions::default()
+            };
+            match self
+                .store
+                .put_opts(&path, PutPayload::from(data.clone()), opts)
+                .await
+            {
+                Ok(_) => Outcome::Uploaded,
+                Err(object_store::Error::AlreadyExists { .. }) => Outcome::Verified,
+                Err(e) => return Err(e).with_context(|| format!("storing {path}")),
+            }
+        };
+        if outcome == Outcome::Verified {
+            let stored = self
+                .read_segment(ttid, segno, seg_size)
+                .await?
+                .with_context(|| format!("{path} vanished while being verified"))?;
+            verify_stored(&path, &stored, &data, valid_from)?;
+        }
+        self.sync_local(&path).await?;
+        Ok(outcome)
+    }
+
+    /// With `file://`: fsyncs the object's file and every directory from it up to the root.
+    async fn sync_local(&self, path: &ObjPath) -> anyhow::Result<()> {
+        let Some(root) = self.local_root.clone() else {
+            return Ok(());
+        };
+        let file = root.join(path.as_ref());
+        tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+            std::fs::File::open(&file)
+                .and_then(|f| f.sync_all())
+                .with_context(|| format!("fsync {}", file.display()))?;
+            let mut dir = file.parent();
+            while let Some(d) = dir {
+                std::fs::File::open(d)
+                    .and_then(|f| f.sync_all())
+                    .with_context(|| format!("fsync {}", d.display()))?;
+                if d == root {
+                    break;
+                }
+                dir = d.parent();
+            }
+            Ok(())
+        })
+        .await
+        .context("fsync task")?
+    }
+}
+
+/// Checks a stored object against the local segment image.
+fn verify_stored(
+    path: &ObjPath,
+    stored: &[u8],
+    local: &[u8],
+    valid_from: usize,
+) -> anyhow::Result<()> {
+    if stored.len() != local.len() {
+        bail!(
+            "{path} is stored with {} bytes, the local segment has {}: not overwritten",
+            stored.len(),
+            local.len()
+        );
+    }
+    let (a, b) = (
+        crc32c::crc32c(&stored[valid_from..]),
+        crc32c::crc32c(&local[valid_from..]),
+    );
+    if a != b {
+        bail!(
+            "{path} differs from the local segment (CRC-32C {a:#010x} stored, {b:#010x} here, \
+             from byte {valid_from}): not overwritten"
+        );
+    }
+    Ok(())
+}
+
+/// Node-wide backup settings.
+#[derive(Clone)]
+pub struct Backup {
+    /// The remote store.
+    pub storage: Arc<RemoteStorage>,
+    /// Bounds the uploads in progress on the node.
+    pub permits: Arc<Semaphore>,
+    /// Uploads in flight per timeline pass.
+    pub parallelism: usize,
+}
+
+impl Backup {
+    /// Backup to `storage` with at most `parallelism` uploads at once.
+    pub fn new(storage: RemoteStorage, parallelism: usize) -> Backup {
+        Backup {
+            storage: Arc::new(storage),
+            permits: Arc::new(Semaphore::new(parallelism.max(1))),
+            parallelism: parallelism.max(1),
+        }
+    }
+
+    /// One backup pass over `tl`: backs up every complete committed segment from `backup_lsn`
+    /// on, in order of completion, advancing `backup_lsn` over the contiguous backed-up prefix.
+    /// With `listed`, the segments the remote listing shows are verified instead of uploaded.
+    /// Each segment is retried with backoff until done or `cancel`. Returns the new backup_lsn.
+    pub async fn backup_pass(
+        &self,
+        tl: &Arc<Timeline>,
+        listed: Option<&BTreeSet<u64>>,
+        cancel: &CancellationToken,
+    ) -> Lsn {
+        let seg_size = tl.seg_size;
+        let wal_start = tl.wal_start_lsn();
+        let backup_lsn = tl.backup_lsn();
+        if !wal_start.is_valid() {
+            return backup_lsn;
+        }
+        let from = backup_lsn.max(wal_start);
+        let first = from.segment_number(seg_size);
+        let end = tl.positions().commit_lsn.segment_number(seg_size);
+        let mut done = futures::stream::iter(first..end)
+            .map(|segno| {
+                let valid_from = if segno == wal_start.segment_number(seg_size) {
+                    wal_start.segment_offset(seg_size) as usize
+                } else {
+                    0
+                };
+                let known = listed.is_some_and(|l| l.contains(&segno));
+                self.backup_with_retries(tl, segno, valid_from, known, cancel)
+            })
+            .buffered(self.parallelism);
+        while let Some(r) = done.next().await {
+            match r {
+                Some(segno) => tl.set_backup_lsn(Lsn((segno + 1) * seg_size)),
+                None => break,
+            }
+        }
+        tl.backup_lsn()
+    }
+
+    /// Backs up one segment, retrying with backoff; `None` if cancelled first.
+    async fn backup_with_retries(
+        &self,
+        tl: &Arc<Timeline>,
+        segno: u64,
+        valid_from: usize,
+        known: bool,
+        cancel: &CancellationToken,
+    ) -> Option<u64> {
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            let attempt = async {
+                let _permit = self.permits.acquire().await.context("backup semaphore")?;
+                let started = Instant::now();
+                // Complete and committed; still `.partial` if the WAL ends exactly at its end.
+                let path = segment_path(&tl.dir, segno, tl.seg_size, false);
+                let data = match tokio::fs::read(&path).await {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        let partial = segment_path(&tl.dir, segno, tl.seg_size, true);
+                        tokio::fs::read(&partial).await
+                    }
+                    r => r,
+                }
+                .with_context(|| format!("reading {} for backup", path.display()))?;
+                let len = data.len() as u64;
+                let outcome = self
+                    .storage
+                    .backup_segment(&tl.ttid, segno, Bytes::from(data), valid_from, known)
+                    .await?;
+                metrics::BACKUP_SECONDS.observe(started.elapsed().as_secs_f64());
+                match outcome {
+                    Outcome::Uploaded => {
+                        metrics::BACKUP_UPLOADED_BYTES.inc_by(len);
+                        metrics::BACKUP_SEGMENTS
+                            .with_label_values(&["uploaded"])
+                            .inc();
+                    }
+                    Outcome::Verified => metrics::BACKUP_SEGMENTS
+                        .with_label_values(&["verified"])
+                        .inc(),
+                }
+                anyhow::Ok(())
+            };
+            let result = tokio::select! {
+                r = attempt => r,
+                _ = cancel.cancelled() => return None,
+            };
+            match result {
+                Ok(()) => return Some(segno),
+                Err(e) => {
+                    metrics::BACKUP_ERRORS.inc();
+                    tracing::warn!(
+                        segno,
+                        "backing up a WAL segment failed (retrying in {backoff:?}): {e:#}"
+                    );
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = cancel.cancelled() => return None,
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+}
+
+/// The segment a reader below the local WAL is being served from.
+pub type RemoteSegment = Option<(u64, Bytes)>;
+
+/// Appends WAL `[from, min(to, end of from's segment))` of `tl` read from remote storage to
+/// `out` (the segment is fetched once into `cache`) and returns the end of what it read; `None`
+/// if remote storage is off or does not hold the segment.
+pub async fn read_remote(
+    tl: &Timeline,
+    from: Lsn,
+    to: Lsn,
+    cache: &mut RemoteSegment,
+    out: &mut Vec<u8>,
+) -> anyhow::Result<Option<Lsn>> {
+    let seg_size = tl.seg_size;
+    let segno = from.segment_number(seg_size);
+    if cache.as_ref().is_none_or(|(n, _)| *n != segno) {
+        let Some(remote) = tl.remote() else {
+            return Ok(None);
+        };
+        match remote.read_segment(&tl.ttid, segno, seg_size).await? {
+            Some(b) if b.len() as u64 == seg_size => *cache = Some((segno, b)),
+            Some(b) => bail!(
+                "remote segment {segno} has {} bytes, not {seg_size}",
+                b.len()
+            ),
+            None => return Ok(None),
+        }
+    }
+    let (_, seg) = cache.as_ref().context("segment cached above")?;
+    let end = to.min(Lsn((segno + 1) * seg_size));
+    let (a, b) = (
+        from.segment_offset(seg_size) as usize,
+        (end.0 - segno * seg_size) as usize,
+    );
+    out.extend_from_slice(&seg[a..b]);
+    Ok(Some(end))
+}
+
+/// The WAL lifecycle driver: every `tick`, each timeline without a pass in progress gets one:
+/// a backup pass (the first after start-up resumes from the remote listing), then removal of
+/// the local segments below the horizon, keeping `wal_keep_size` bytes. Runs until `cancel`.
+pub async fn run_lifecycle(
+    timelines: Arc<crate::registry::GlobalTimelines>,
+    backup: Backup,
+    wal_keep_size: u64,
+    tick: Duration,
+    cancel: CancellationToken,
+) {
+    let mut jobs: HashMap<TenantTimelineId, tokio::task::JoinHandle<()>> = HashMap::new();
+    let listed: Arc<std::sync::Mutex<HashSet<TenantTimelineId>>> = Arc::default();
+    let mut interval = tokio::time::interval(tick);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = cancel.cancelled() => break,
+        }
+        jobs.retain(|_, j| !j.is_finished());
+        for tl in timelines.all() {
+            if jobs.contains_key(&tl.ttid) {
+                continue;
+            }
+            tl.set_remote(backup.storage.clone());
+            let (backup, cancel, listed) = (backup.clone(), cancel.clone(), listed.clone());
+            let span = crate::timeline::span(&tl.ttid);
+            let ttid = tl.ttid;
+            let job = async move {
+                let first = !listed.lock().expect("listed lock").contains(&tl.ttid);
+                let known = if first {
+                    match backup.storage.list_segments(&tl.ttid, tl.seg_size).await {
+                        Ok(l) => {
+                            listed.lock().expect("listed lock").insert(tl.ttid);
+                            Some(l.into_iter().map(|(n, _)| n).collect::<BTreeSet<_>>())
+                        }
+                        Err(e) => {
+                            metrics::BACKUP_ERRORS.inc();
+                            tracing::warn!("listing remote WAL failed: {e:#}");
+                            return;
+                        }
+                    }
+                } else {
+                    None
+                };
+                backup.backup_pass(&tl, known.as_ref(), &cancel).await;
+                let t = tl.clone();
+                match tokio::task::spawn_blocking(move || t.remove_old_wal(wal_keep_size)).await {
+                    Ok(Ok(0)) => {}
+                    Ok(Ok(n)) => {
+                        metrics::WAL_REMOVED_SEGMENTS.inc_by(n as u64);
+                        tracing::info!(removed = n, below = %tl.oldest_available_lsn(), "removed WAL segments");
+                    }
+                    Ok(Err(e)) => tracing::error!("removing WAL segments: {e}"),
+                    Err(e) => tracing::error!("WAL removal task failed: {e}"),
+                }
+            };
+            jobs.insert(
+                ttid,
+                tokio::spawn(tracing::Instrument::instrument(job, span)),
+            );
+        }
+    }
+    for (_, j) in jobs {
+        let _ = j.await;
+    }
+}
+
+#[cfg(test)]
+mod tests;

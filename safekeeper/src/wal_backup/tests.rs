@@ -1,0 +1,300 @@
+//! Backup, verification, removal and serving from the backup, with real files: a timeline in
+//! a temporary data directory and a `file://` store in another.
+
+use std::path::Path;
+
+use pg_wal::generator::WalGenerator;
+use sk_core::protocol::ProposerAcceptorMessage;
+use sk_core::types::NodeId;
+
+use super::*;
+use crate::registry::GlobalTimelines;
+use crate::test_util::{append, elect, greeting, run};
+
+const SEG: u64 = 1 << 20;
+
+fn store(dir: &Path) -> RemoteStorage {
+    RemoteStorage::from_url(&format!("file://{}", dir.display())).unwrap()
+}
+
+fn ttid() -> TenantTimelineId {
+    greeting(7, SEG).ttid()
+}
+
+fn object_file(root: &Path, segno: u64) -> std::path::PathBuf {
+    let t = ttid();
+    root.join(t.tenant_id.to_string())
+        .join(t.timeline_id.to_string())
+        .join(xlog_file_name(1, segno, SEG))
+}
+
+#[tokio::test]
+async fn a_segment_is_stored_once_and_a_second_node_verifies_instead_of_overwriting() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (store(dir.path()), store(dir.path()));
+    let data = Bytes::from(vec![7u8; SEG as usize]);
+    let out = a.backup_segment(&ttid(), 3, data.clone(), 0, false).await;
+    assert_eq!(out.unwrap(), Outcome::Uploaded);
+    assert_eq!(std::fs::read(object_file(dir.path(), 3)).unwrap(), data);
+    // The other node loses the conditional create and verifies the stored object.
+    let out = b.backup_segment(&ttid(), 3, data.clone(), 0, false).await;
+    assert_eq!(out.unwrap(), Outcome::Verified);
+    // A different local copy is an error and the stored object is left as it was.
+    let mut other = vec![7u8; SEG as usize];
+    other[SEG as usize - 1] = 8;
+    let err = b
+        .backup_segment(&ttid(), 3, Bytes::from(other.clone()), 0, false)
+        .await
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("differs"), "{err:#}");
+    assert_eq!(std::fs::read(object_file(dir.path(), 3)).unwrap(), data);
+    // Bytes before a node's WAL start are not compared; a different size always fails.
+    let mut head_differs = data.to_vec();
+    head_differs[0] = 1;
+    let out = b
+        .backup_segment(&ttid(), 3, Bytes::from(head_differs), 1, true)
+        .await;
+    assert_eq!(out.unwrap(), Outcome::Verified);
+    let short = Bytes::from(vec![7u8; SEG as usize / 2]);
+    assert!(b.backup_segment(&ttid(), 3, short, 0, true).await.is_err());
+    assert_eq!(a.list_segments(&ttid(), SEG).await.unwrap(), vec![(3, SEG)]);
+    assert_eq!(
+        a.read_segment(&ttid(), 3, SEG).await.unwrap().unwrap(),
+        data
+    );
+    assert!(a.read_segment(&ttid(), 4, SEG).await.unwrap().is_none());
+}
+
+#[test]
+fn bad_urls_are_refused_naming_the_url() {
+    for url in ["http://x", "file://relative/path", "s3://"] {
+        let err = RemoteStorage::from_url(url).err().expect(url).to_string();
+        assert!(err.contains(url.trim_end_matches('/')), "{err}");
+    }
+}
+
+/// A node with one timeline holding `segs` complete committed segments (and a bit more).
+fn node_with_wal(datadir: &Path, segs: u64) -> (GlobalTimelines, Arc<Timeline>, Lsn) {
+    let timelines = GlobalTimelines::load(datadir, NodeId(1), true).unwrap();
+    let g = greeting(7, SEG);
+    let tl = timelines.get_or_create(&g, true).unwrap();
+    run(&tl, ProposerAcceptorMessage::Greeting(g));
+    let start = Lsn(SEG);
+    elect(&tl, 1, &[(1, start)]);
+    let mut walgen = WalGenerator::new(42, SEG, start).unwrap();
+    let mut wal = Vec::new();
+    walgen.fill(&mut wal, (segs * SEG + SEG / 2) as usize, &[3; 1000]);
+    let end = walgen.lsn();
+    append(&tl, 1, start, &wal, end, true);
+    // Commit everything, and tell the node the peers need nothing below the end.
+    append(&tl, 1, end, &[], end, true);
+    (timelines, tl, end)
+}
+
+fn local_segments(dir: &Path) -> Vec<u64> {
+    let mut v: Vec<u64> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            parse_xlog_file_name(&name, SEG).map(|(n, _)| n)
+        })
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_committed_segments_are_backed_up_byte_identical_and_only_then_removed() {
+    let data = tempfile::tempdir().unwrap();
+    let remote = tempfile::tempdir().unwrap();
+    let (_timelines, tl, end) = node_with_wal(data.path(), 6);
+    let last_complete = end.segment_number(SEG); // exclusive
+    assert_eq!(
+        local_segments(&tl.dir),
+        (1..=last_complete).collect::<Vec<_>>()
+    );
+
+    // No remote storage: nothing is removed, whatever the other inputs.
+    assert_eq!(tl.remove_old_wal(0).unwrap(), 0);
+    assert_eq!(local_segments(&tl.dir).len() as u64, last_complete);
+
+    let backup = Backup::new(store(remote.path()), 3);
+    tl.set_remote(backup.storage.clone());
+    // Remote storage on but nothing backed up: still nothing removed.
+    assert_eq!(tl.remove_old_wal(0).unwrap(), 0);
+    let cancel = CancellationToken::new();
+    let lsn = backup.backup_pass(&tl, None, &cancel).await;
+    assert_eq!(
+        lsn,
+        Lsn(last_complete * SEG),
+        "every complete segment, not the partial one"
+    );
+    for segno in 1..last_complete {
+        let local = std::fs::read(segment_path(&tl.dir, segno, SEG, false)).unwrap();
+        assert_eq!(
+            std::fs::read(object_file(remote.path(), segno)).unwrap(),
+            local
+        );
+    }
+    assert!(!object_file(remote.path(), last_complete).exists());
+
+    // The peers' horizon is unknown (the proposer sent no truncate_lsn): nothing goes.
+    assert_eq!(tl.remove_old_wal(0).unwrap(), 0);
+    set_peer_horizon(&tl, end);
+    // A reader holding segment 2 stops removal there.
+    let hold = tl.hold_wal(Lsn(2 * SEG + 100)).unwrap();
+    assert_eq!(tl.remove_old_wal(0).unwrap(), 1);
+    assert_eq!(local_segments(&tl.dir)[0], 2);
+    drop(hold);
+    // --wal-keep-size keeps two segments below the flush LSN.
+    tl.remove_old_wal(2 * SEG).unwrap();
+    let kept = local_segments(&tl.dir);
+    assert_eq!(
+        kept[0],
+        Lsn(end.0 - 2 * SEG).segment_number(SEG),
+        "{kept:?}"
+    );
+    tl.remove_old_wal(0).unwrap();
+    assert_eq!(
+        local_segments(&tl.dir),
+        vec![last_complete],
+        "all backed up: only the partial"
+    );
+    assert!(tl.hold_wal(Lsn(SEG)).is_none());
+
+    // Removed WAL is served from the backup, byte-identical.
+    let mut cache = None;
+    let mut from_remote = Vec::new();
+    let mut pos = Lsn(SEG + 40);
+    while pos < Lsn(last_complete * SEG) {
+        pos = read_remote(
+            &tl,
+            pos,
+            Lsn(last_complete * SEG),
+            &mut cache,
+            &mut from_remote,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    }
+    let mut expected = Vec::new();
+    for segno in 1..last_complete {
+        expected.extend(std::fs::read(object_file(remote.path(), segno)).unwrap());
+    }
+    assert_eq!(from_remote, expected[40..]);
+    // A segment the store does not hold is not served.
+    std::fs::remove_file(object_file(remote.path(), 1)).unwrap();
+    let mut none = None;
+    assert!(
+        read_remote(&tl, Lsn(SEG), Lsn(2 * SEG), &mut none, &mut Vec::new())
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+fn set_peer_horizon(tl: &Timeline, lsn: Lsn) {
+    use sk_core::protocol::{AppendRequest, AppendRequestHeader};
+    use sk_core::types::{Generation, Term};
+    let pos = tl.positions();
+    run(
+        tl,
+        ProposerAcceptorMessage::AppendRequest(AppendRequest {
+            h: AppendRequestHeader {
+                generation: Generation(0),
+                term: Term(1),
+                begin_lsn: pos.flush_lsn,
+                end_lsn: pos.flush_lsn,
+                commit_lsn: pos.commit_lsn,
+                truncate_lsn: lsn,
+            },
+            wal_data: Bytes::new(),
+        }),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backup_lsn_survives_a_restart_and_a_node_with_removed_wal_starts_and_resumes() {
+    let data = tempfile::tempdir().unwrap();
+    let remote = tempfile::tempdir().unwrap();
+    let (timelines, tl, end) = node_with_wal(data.path(), 4);
+    let backup = Backup::new(store(remote.path()), 2);
+    tl.set_remote(backup.storage.clone());
+    let cancel = CancellationToken::new();
+    let backed = backup.backup_pass(&tl, None, &cancel).await;
+    set_peer_horizon(&tl, end);
+    assert!(tl.remove_old_wal(0).unwrap() > 0);
+    assert!(tl.maybe_persist(true).unwrap());
+    let first_kept = local_segments(&tl.dir)[0];
+    drop((tl, timelines));
+
+    // Restart: the control file has backup_lsn; the committed WAL left is verified from the
+    // first local segment; the removed segments stay removed.
+    let timelines = GlobalTimelines::load(data.path(), NodeId(1), true).unwrap();
+    let tl = timelines.get(&ttid()).unwrap();
+    assert_eq!(tl.backup_lsn(), backed);
+    assert_eq!(tl.oldest_available_lsn(), Lsn(first_kept * SEG));
+    assert!(tl.hold_wal(Lsn(SEG)).is_none());
+    // Resume from the listing: a node whose control file lost backup_lsn verifies the stored
+    // segments instead of uploading them again.
+    let listed: BTreeSet<u64> = backup
+        .storage
+        .list_segments(&ttid(), SEG)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(listed, (1..backed.segment_number(SEG)).collect());
+    let before = metrics::BACKUP_SEGMENTS
+        .with_label_values(&["uploaded"])
+        .get();
+    let again = backup.backup_pass(&tl, Some(&listed), &cancel).await;
+    assert_eq!(again, backed);
+    assert_eq!(
+        metrics::BACKUP_SEGMENTS
+            .with_label_values(&["uploaded"])
+            .get(),
+        before,
+        "nothing uploaded twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unwritable_store_backs_up_nothing_and_the_backlog_goes_when_it_returns() {
+    let data = tempfile::tempdir().unwrap();
+    let remote = tempfile::tempdir().unwrap();
+    let (_timelines, tl, end) = node_with_wal(data.path(), 3);
+    // A file where the timeline's directory must go: every upload fails.
+    let t = ttid();
+    let tenant_dir = remote.path().join(t.tenant_id.to_string());
+    std::fs::write(&tenant_dir, b"in the way").unwrap();
+    let backup = Backup::new(store(remote.path()), 2);
+    tl.set_remote(backup.storage.clone());
+    set_peer_horizon(&tl, end);
+    let cancel = CancellationToken::new();
+    let errors = metrics::BACKUP_ERRORS.get();
+    let pass = {
+        let (backup, tl, cancel) = (backup.clone(), tl.clone(), cancel.clone());
+        tokio::spawn(async move { backup.backup_pass(&tl, None, &cancel).await })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        metrics::BACKUP_ERRORS.get() > errors,
+        "failures are counted"
+    );
+    assert_eq!(tl.backup_lsn(), Lsn::INVALID);
+    assert_eq!(
+        tl.remove_old_wal(0).unwrap(),
+        0,
+        "nothing unbacked is removed"
+    );
+    std::fs::remove_file(&tenant_dir).unwrap();
+    let lsn = tokio::time::timeout(Duration::from_secs(30), pass)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(lsn, Lsn(end.segment_number(SEG) * SEG));
+    assert!(tl.remove_old_wal(0).unwrap() > 0);
+}

@@ -1,0 +1,352 @@
+"""WAL lifecycle (issue 19): backup of complete segments to remote storage, removal below the
+horizon, readers served from the backup. Every test runs on `file://` and on a real S3 server
+(moto's server mode, started here).
+
+WAL_LIFECYCLE_PUSH sizes the main push (default 64M; the issue's figure is 256M)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from fixtures.daemon import (
+    TENANT,
+    TIMELINE,
+    free_port,
+    lsn_int,
+    timeline_dir,
+    wait_until,
+    walproposer,
+)
+from fixtures.tools import before, receivewal
+
+SEG = 1 << 20
+PUSH = os.environ.get("WAL_LIFECYCLE_PUSH", "64M")
+KEEP = 4 * SEG
+BUCKET = "walbackup"
+
+
+def seg_name(segno: int) -> str:
+    per = 2**32 // SEG
+    return f"{1:08X}{segno // per:08X}{segno % per:08X}"
+
+
+class FileStore:
+    """A `file://` store in a directory."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.url = f"file://{root}"
+        self.env: dict[str, str] = {}
+
+    def objects(self) -> dict[str, bytes]:
+        d = self.root / TENANT / TIMELINE
+        if not d.exists():
+            return {}
+        # `name#N`: object_store's staging file of an upload a kill -9 cut short (never under
+        # an object's name).
+        return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and "#" not in p.name}
+
+    def outage(self):
+        """Makes the store unwritable (its root moved aside, a plain file in its place) until
+        the returned function is called."""
+        aside = self.root.with_name(self.root.name + ".aside")
+        self.root.rename(aside)
+        self.root.write_bytes(b"unreachable")
+
+        def restore():
+            self.root.unlink()
+            aside.rename(self.root)
+
+        return restore
+
+
+class S3Store:
+    """A bucket on a real S3 server (moto_server) started for the test."""
+
+    def __init__(self, tmp: Path):
+        import boto3
+
+        exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+        self.port = free_port()
+        self.log = open(tmp / "moto.log", "wb")
+        self.proc = subprocess.Popen(
+            [exe, "-p", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT
+        )
+        endpoint = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+        }
+        self.url = f"s3://{BUCKET}/sk"
+        self.s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+
+        def up():
+            try:
+                self.s3.create_bucket(Bucket=BUCKET)
+                return True
+            except Exception:
+                return False
+
+        wait_until(up, "moto_server to answer", timeout=30, interval=0.2)
+
+    def objects(self) -> dict[str, bytes]:
+        out = {}
+        prefix = f"sk/{TENANT}/{TIMELINE}/"
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        for page in pages:
+            for o in page.get("Contents", []):
+                body = self.s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+                out[o["Key"].removeprefix(prefix)] = body
+        return out
+
+    def outage(self):
+        """Freezes the server (SIGSTOP): requests hang, then fail, until it resumes."""
+        self.proc.send_signal(signal.SIGSTOP)
+        return lambda: self.proc.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path):
+    if request.param == "file":
+        yield FileStore(tmp_path / "remote")
+        return
+    s = S3Store(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def status(sk) -> dict:
+    r = requests.get(f"{sk.http}/v1/tenant/{TENANT}/timeline/{TIMELINE}", timeout=5)
+    r.raise_for_status()
+    return r.json()
+
+
+def start_sks(factory, store, keep: list[int]) -> list:
+    sks = []
+    for i, k in enumerate(keep, start=1):
+        sk = factory(
+            i,
+            extra_args=["--remote-storage", store.url, "--wal-keep-size", str(k)],
+            env=store.env,
+        )
+        sks.append(sk.start())
+    return sks
+
+
+def push(sks, total: str = PUSH) -> dict:
+    return walproposer(sks, "--wal-seg-size", str(SEG), "--total", total, "--record-size", "4000")
+
+
+def backed_up_to(sks, lsn: int, timeout: float = 120) -> int:
+    """Waits until every node backed up every complete segment below `lsn` that it knows to be
+    committed (a node may learn the last commit LSN late: the proposer may exit first); returns
+    the end of the segments every node backed up."""
+
+    def done():
+        ends = []
+        for sk in sks:
+            st = status(sk)
+            commit = min(lsn, lsn_int(st["commit_lsn"]))
+            if lsn_int(st["backup_lsn"]) < commit - commit % SEG:
+                return None
+            ends.append(commit - commit % SEG)
+        return min(ends) or None
+
+    return wait_until(
+        done, f"every safekeeper to back up to {lsn:#x}", timeout=timeout, interval=0.2
+    )
+
+
+def local_segments(sk) -> list[str]:
+    return sorted(p.name for p in timeline_dir(sk).iterdir() if p.name[:8] == "00000001")
+
+
+def check_store(store, reference, first: int, end_lsn: int) -> None:
+    """Every complete segment from `first` below `end_lsn` is stored exactly once, full-size,
+    byte-identical to the reference node's local copy; nothing else is stored."""
+    objs = store.objects()
+    want = [seg_name(n) for n in range(first, end_lsn // SEG)]
+    below = [n for n in sorted(objs) if n < seg_name(end_lsn // SEG)]
+    assert below == want, sorted(objs)
+    assert all(len(b) == SEG for b in objs.values()), "a torn object"
+
+    for name in want:
+        assert objs[name] == (timeline_dir(reference) / name).read_bytes(), name
+
+
+@pytest.mark.promise(12)
+def test_backup_removal_and_readers_from_the_backup(safekeeper_factory, store, tmp_path):
+    # sk3 keeps everything locally: the reference the backup and the readers are checked on.
+    sks = start_sks(safekeeper_factory, store, [KEEP, KEEP, 1 << 40])
+    stats = push(sks)
+    start, end = lsn_int(stats["start_lsn"]), lsn_int(stats["commit_lsn"])
+    backed = backed_up_to(sks, end)
+    assert end - backed < 4 * SEG, (hex(end), hex(backed))
+    first = start // SEG
+    check_store(store, sks[2], first, backed)
+    # Local disk on the removing nodes stays near --wal-keep-size.
+    for sk in sks[:2]:
+        wait_until(
+            lambda sk=sk: len(local_segments(sk)) <= KEEP // SEG + 2,
+            "removal down to --wal-keep-size",
+        )
+        st = status(sk)
+        assert lsn_int(st["removal_horizon_lsn"]) > start, st
+        assert st["remote_location"].endswith(f"{TENANT}/{TIMELINE}"), st
+    assert len(local_segments(sks[2])) >= (end - start) // SEG
+    # pg_receivewal from the start of WAL, off a node that removed it: byte-identical.
+    recv = tmp_path / "recv"
+    recv.mkdir()
+    out = receivewal(sks[0], recv, "--slot", "s1", "--endpos", before(stats["commit_lsn"]))
+    assert out.returncode == 0, out.stderr
+    full = sorted(p.name for p in recv.iterdir() if not p.name.endswith(".partial"))
+    assert full[: backed // SEG - first] == [seg_name(n) for n in range(first, backed // SEG)], full
+    for name in full:
+        assert (recv / name).read_bytes() == (timeline_dir(sks[2]) / name).read_bytes(), name
+    metrics = requests.get(f"{sks[0].http}/metrics", timeout=5).text
+    assert "safekeeper_wal_removed_segments_total" in metrics
+
+
+@pytest.mark.promise(12)
+def test_outage_removes_nothing_unbacked_and_the_backlog_uploads_on_return(
+    safekeeper_factory, store
+):
+    sks = start_sks(safekeeper_factory, store, [KEEP, KEEP, KEEP])
+    stats = push(sks, "8M")
+    backed_up_to(sks, lsn_int(stats["commit_lsn"]))
+    restore = store.outage()
+    try:
+        stats = push(sks, "16M")
+        end = lsn_int(stats["commit_lsn"])
+        time.sleep(3)  # several lifecycle ticks while the store is down
+        for sk in sks:
+            st = status(sk)
+            backup = lsn_int(st["backup_lsn"])
+            assert backup < end - end % SEG, st
+            # Every segment from the backed-up point on is still local.
+            names = set(local_segments(sk))
+            for n in range(backup // SEG, end // SEG):
+                assert seg_name(n) in names, (seg_name(n), sorted(names))
+    finally:
+        restore()
+    backed_up_to(sks, end, timeout=180)
+    objs = store.objects()
+    for n in range(16, end // SEG):
+        assert len(objs[seg_name(n)]) == SEG, seg_name(n)
+    for sk in sks:
+        wait_until(lambda sk=sk: len(local_segments(sk)) <= KEEP // SEG + 2, "removal")
+
+
+@pytest.mark.promise(12)
+def test_kill9_during_uploads_leaves_no_torn_lost_or_doubled_object(safekeeper_factory, store):
+    sks = start_sks(safekeeper_factory, store, [1 << 40, 1 << 40, 1 << 40])
+    proposer = subprocess.Popen(
+        [
+            str(sks[0].binary.with_name("walproposer")),
+            "--safekeepers",
+            ",".join(f"127.0.0.1:{sk.pg_port}" for sk in sks),
+            "--wal-seg-size",
+            str(SEG),
+            "--total",
+            "32M",
+            "--record-size",
+            "4000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    # Kill nodes while they upload, restart them.
+    for victim in (sks[0], sks[1]):
+        wait_until(lambda: len(store.objects()) >= 2, "uploads to start", timeout=60)
+        victim.kill()
+        victim.start()
+    assert proposer.wait(timeout=300) == 0
+    import json
+
+    stats = json.loads(proposer.stdout.read().decode().strip().splitlines()[-1])
+    backed = backed_up_to(sks, lsn_int(stats["commit_lsn"]))
+    check_store(store, sks[2], lsn_int(stats["start_lsn"]) // SEG, backed)
+
+
+@pytest.mark.promise(12)
+def test_disk_limit_refuses_appends_naming_it_serves_and_resumes(
+    safekeeper_factory, store, tmp_path
+):
+    # 12 MiB per timeline: the push below needs more, so appends stop until backup and
+    # removal (keeping 2 MiB) bring the directory back under the limit, then resume.
+    sks = []
+    for i in (1, 2, 3):
+        sk = safekeeper_factory(
+            i,
+            extra_args=[
+                "--remote-storage",
+                store.url,
+                "--wal-keep-size",
+                str(2 * SEG),
+                "--max-timeline-disk-usage",
+                str(12 * SEG),
+            ],
+            env=store.env,
+        )
+        sks.append(sk.start())
+    restore = store.outage()  # no backup yet: nothing can be removed, the limit is reached
+    proposer = subprocess.Popen(
+        [
+            str(sks[0].binary.with_name("walproposer")),
+            "--safekeepers",
+            ",".join(f"127.0.0.1:{sk.pg_port}" for sk in sks),
+            "--wal-seg-size",
+            str(SEG),
+            "--total",
+            "32M",
+            "--record-size",
+            "4000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    try:
+        wait_until(
+            lambda: all("--max-timeline-disk-usage" in sk.log() for sk in sks),
+            "appends refused naming the limit",
+            timeout=90,
+        )
+        # The daemon still serves: status, and WAL to a reader.
+        st = status(sks[0])
+        assert lsn_int(st["commit_lsn"]) > 0
+        recv = tmp_path / "recv"
+        recv.mkdir()
+        out = receivewal(sks[0], recv, "--slot", "s1", "--endpos", before("0/1100000"))
+        assert out.returncode == 0, out.stderr
+    finally:
+        restore()
+    # Backup and removal free space: the push completes by itself.
+    assert proposer.wait(timeout=240) == 0, proposer.stderr.read().decode()[-2000:]
+    assert any("appends resume" in sk.log() for sk in sks)
