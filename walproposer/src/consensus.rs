@@ -163,6 +163,11 @@ pub enum Event {
     },
     /// Time passed (the driver ticks about once a second): idle streams get a heartbeat.
     Tick,
+    /// The driver is ending the streams ([`ProposerCore::caught_up`] closes each): from now on
+    /// every move of `truncate_lsn` is sent at once, so each safekeeper's last append carries the
+    /// final peers' horizon (its WAL removal waits on it) rather than one from before the other
+    /// members' last acknowledgements.
+    Finishing,
 }
 
 /// Something the caller must do, queued by [`ProposerCore::step`] and [`ProposerCore::push`].
@@ -309,6 +314,8 @@ struct Stream {
     next: Lsn,
     /// Commit LSN in the last append sent.
     sent_commit: Lsn,
+    /// `truncate_lsn` in the last append sent.
+    sent_truncate: Lsn,
     /// Whether anything was sent since the last tick.
     active: bool,
     /// Send an append even if there is nothing new: right after `elected`, so the safekeeper
@@ -473,6 +480,8 @@ pub struct ProposerCore {
     fetch: Option<PendingFetch>,
     /// Id of the last fetch requested.
     fetch_seq: u64,
+    /// Set by [`Event::Finishing`]: every move of `truncate_lsn` is sent at once.
+    finishing: bool,
     actions: Vec<Action>,
 }
 
@@ -501,6 +510,7 @@ impl ProposerCore {
             commit: Lsn::INVALID,
             vote_truncate: Lsn::INVALID,
             fetch: None,
+            finishing: false,
             fetch_seq: 0,
             actions: Vec::new(),
         }
@@ -615,13 +625,18 @@ impl ProposerCore {
         }
     }
 
-    /// Whether connection `conn` of `sk` was sent everything: all WAL and the current commit LSN.
+    /// Whether connection `conn` of `sk` was sent everything: all WAL, the current commit LSN
+    /// and the current `truncate_lsn`.
     pub fn caught_up(&self, sk: SkId) -> bool {
         match &self.members[sk].conn {
             Some(Conn {
                 state: ConnState::Streaming(s),
                 ..
-            }) => s.next == self.wal.end && s.sent_commit == self.commit,
+            }) => {
+                s.next == self.wal.end
+                    && s.sent_commit == self.commit
+                    && s.sent_truncate == self.truncate_lsn()
+            }
             _ => false,
         }
     }
@@ -735,6 +750,12 @@ impl ProposerCore {
                 }
             }
             Event::Tick => self.on_tick(),
+            Event::Finishing => {
+                self.finishing = true;
+                for sk in 0..self.members.len() {
+                    self.pump(sk);
+                }
+            }
         }
     }
 
@@ -1282,6 +1303,7 @@ impl ProposerCore {
                 start,
                 next: start,
                 sent_commit: Lsn::INVALID,
+                sent_truncate: Lsn::INVALID,
                 active: true,
                 probe: true,
             }),
@@ -1292,7 +1314,7 @@ impl ProposerCore {
     // ----- streaming -------------------------------------------------------------------------
 
     /// Sends `sk` what it lacks, within the in-flight window; if there is no WAL to send but the
-    /// commit LSN moved, an empty append carrying it.
+    /// commit LSN moved (or, once finishing, `truncate_lsn` did), an empty append carrying it.
     fn pump(&mut self, sk: SkId) {
         let Some(Conn {
             id,
@@ -1311,13 +1333,18 @@ impl ProposerCore {
             let msg = self.append(s.next, data, truncate);
             s.next = msg.h.end_lsn;
             s.sent_commit = self.commit;
+            s.sent_truncate = truncate;
             s.active = true;
             s.probe = false;
             self.send(sk, id, ProposerAcceptorMessage::AppendRequest(msg));
         }
-        if s.next == self.wal.end && (s.sent_commit < self.commit || s.probe) {
+        // While streaming, `truncate_lsn` rides on the next append or heartbeat: sending each of
+        // its moves would add a message per commit to every member.
+        let truncate_moved = self.finishing && s.sent_truncate != truncate;
+        if s.next == self.wal.end && (s.sent_commit < self.commit || s.probe || truncate_moved) {
             let msg = self.append(s.next, Bytes::new(), truncate);
             s.sent_commit = self.commit;
+            s.sent_truncate = truncate;
             s.active = true;
             s.probe = false;
             self.send(sk, id, ProposerAcceptorMessage::AppendRequest(msg));
@@ -1368,6 +1395,12 @@ impl ProposerCore {
         if r.flush_lsn > m.flush {
             m.flush = r.flush_lsn;
             self.recompute_commit();
+            if self.finishing {
+                // `truncate_lsn` may have moved: the others' last append must carry it.
+                for other in (0..self.members.len()).filter(|&o| o != sk) {
+                    self.pump(other);
+                }
+            }
         }
         // The window may have opened.
         self.pump(sk);
@@ -1412,6 +1445,7 @@ impl ProposerCore {
                 // view of the commit LSN) fresh.
                 let msg = self.append(s.next, Bytes::new(), truncate);
                 s.sent_commit = self.commit;
+                s.sent_truncate = truncate;
                 self.send(sk, id, ProposerAcceptorMessage::AppendRequest(msg));
             }
             s.active = false;

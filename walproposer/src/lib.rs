@@ -598,6 +598,7 @@ impl Proposer {
     /// commit LSN before its stream is closed. Waits at most `timeout`, then stops anyway.
     pub async fn finish(self, timeout: Duration) {
         self.shared.progress.send_modify(|p| p.finishing = true);
+        self.shared.step(Event::Finishing);
         for w in &self.shared.lock().wake {
             w.notify_one();
         }

@@ -485,6 +485,52 @@ fn idle_streams_get_a_heartbeat_each_tick() {
     );
 }
 
+/// Issue 19: a safekeeper removes WAL only below the peers' horizon it was sent (the append's
+/// `truncate_lsn`). While finishing, a stream may end only once its last append carries the
+/// final horizon, which moves with the *other* members' last acknowledgements.
+#[test]
+fn finishing_streams_end_with_the_final_truncate_lsn() {
+    let mut t = Harness::new(3);
+    t.greet_all(&[0, 0, 0]);
+    for sk in 0..3 {
+        t.recv(sk, vote(1, true, 0, h(&[])));
+    }
+    let start = 0x100_0000u64;
+    let end = start + (64 << 10);
+    t.core
+        .push(Lsn(start), Bytes::from(vec![0u8; 64 << 10]))
+        .unwrap();
+    t.actions.extend(t.core.take_actions());
+    for sk in 0..3 {
+        t.sent_to(sk);
+    }
+    t.recv(0, ack(1, end, 0));
+    t.recv(1, ack(1, end, 0));
+    assert_eq!(t.core.commit_lsn(), Lsn(end));
+    t.recv(0, ack(1, end, end));
+    t.recv(1, ack(1, end, end));
+    // Safekeeper 2 lags: the horizon is still the start.
+    assert_eq!(t.core.truncate_lsn(), Lsn(start));
+    for sk in 0..3 {
+        t.sent_to(sk);
+    }
+    t.step(Event::Finishing);
+    assert!(t.core.caught_up(0), "sent all WAL, the commit and the horizon");
+    // Safekeeper 2's acknowledgement moves the horizon: 0 and 1 are behind on it again, and are
+    // sent an empty append carrying it.
+    t.recv(2, ack(1, end, 0));
+    assert_eq!(t.core.truncate_lsn(), Lsn(end));
+    for sk in 0..3 {
+        let last = t.sent_to(sk).into_iter().rev().find_map(|m| match m {
+            ProposerAcceptorMessage::AppendRequest(a) => Some(a.h),
+            _ => None,
+        });
+        let last = last.unwrap_or_else(|| panic!("safekeeper {sk} was sent the new horizon"));
+        assert_eq!((last.truncate_lsn, last.commit_lsn), (Lsn(end), Lsn(end)));
+        assert!(t.core.caught_up(sk));
+    }
+}
+
 // ----- membership ------------------------------------------------------------------------------
 
 fn member(node: u64) -> SafekeeperId {
