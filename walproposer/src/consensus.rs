@@ -625,10 +625,12 @@ impl ProposerCore {
         }
     }
 
-    /// Whether connection `conn` of `sk` was sent everything: all WAL, the current commit LSN
-    /// and the current `truncate_lsn`.
+    /// Whether `sk`'s stream may end: it was sent all WAL, the current commit LSN and the current
+    /// `truncate_lsn`, and that horizon is final: every other streaming member acknowledged
+    /// all it was sent (a later acknowledgement would move the horizon after this stream
+    /// ended, leaving the safekeeper's removal behind by the in-flight window).
     pub fn caught_up(&self, sk: SkId) -> bool {
-        match &self.members[sk].conn {
+        let sent_all = match &self.members[sk].conn {
             Some(Conn {
                 state: ConnState::Streaming(s),
                 ..
@@ -638,7 +640,15 @@ impl ProposerCore {
                     && s.sent_truncate == self.truncate_lsn()
             }
             _ => false,
-        }
+        };
+        sent_all
+            && self.members.iter().all(|m| match &m.conn {
+                Some(Conn {
+                    state: ConnState::Streaming(s),
+                    ..
+                }) => m.retired || m.flush >= s.next,
+                _ => true,
+            })
     }
 
     /// Safekeepers that granted us their vote in our term.

@@ -206,6 +206,9 @@ impl Shared {
         for action in actions {
             match action {
                 Action::Send { sk, conn, msg } => {
+                    if let ProposerAcceptorMessage::AppendRequest(a) = &msg {
+                        tracing::trace!(sk, begin = %a.h.begin_lsn, end = %a.h.end_lsn, commit = %a.h.commit_lsn, truncate = %a.h.truncate_lsn, "append");
+                    }
                     st.out[sk].push_back(Out::Msg(conn, msg));
                     st.wake[sk].notify_one();
                 }
