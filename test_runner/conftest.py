@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.daemon import ExampleService, Safekeeper, build_release
+from fixtures.pg import PgCluster
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,6 +31,21 @@ def safekeeper_factory(tmp_path):
 @pytest.fixture
 def safekeeper(safekeeper_factory) -> Safekeeper:
     return safekeeper_factory().start()
+
+
+@pytest.fixture
+def pg_factory():
+    """Makes PostgreSQL clusters (`PgCluster(name)`), all stopped and removed at the end."""
+    clusters: list[PgCluster] = []
+
+    def make(name: str) -> PgCluster:
+        c = PgCluster(name)
+        clusters.append(c)
+        return c
+
+    yield make
+    for c in clusters:
+        c.cleanup()
 
 
 @pytest.fixture

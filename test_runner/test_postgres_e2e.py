@@ -38,20 +38,6 @@ CHECKS = [
 ]
 
 
-@pytest.fixture
-def pg_factory():
-    clusters: list[PgCluster] = []
-
-    def make(name: str) -> PgCluster:
-        c = PgCluster(name)
-        clusters.append(c)
-        return c
-
-    yield make
-    for c in clusters:
-        c.cleanup()
-
-
 def timeline(sk) -> dict:
     tls = requests.get(f"{sk.http}/v1/timelines", timeout=5).json()
     assert len(tls) == 1, tls

@@ -26,6 +26,7 @@ from fixtures.daemon import (
     wait_until,
     walproposer,
 )
+from fixtures.pg import WalProposerRelay
 from fixtures.tools import before, receivewal
 
 SEG = 1 << 20
@@ -230,6 +231,60 @@ def test_backup_removal_and_readers_from_the_backup(safekeeper_factory, store, t
         assert (recv / name).read_bytes() == (timeline_dir(sks[2]) / name).read_bytes(), name
     metrics = requests.get(f"{sks[0].http}/metrics", timeout=5).text
     assert "safekeeper_wal_removed_segments_total" in metrics
+
+
+@pytest.mark.promise(12)
+def test_standby_built_after_removal_catches_up_from_the_backup(
+    safekeeper_factory, store, pg_factory, tmp_path
+):
+    """A real PG15 standby whose base backup's WAL the safekeepers removed locally: it streams
+    from a safekeeper, which serves the removed segments from the backup."""
+    primary = pg_factory("primary").init("--wal-segsize=1").start()
+    primary.psql("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    sks = start_sks(safekeeper_factory, store, [KEEP, KEEP, KEEP])
+    relay = WalProposerRelay(sks, primary, "wp", tmp_path)
+
+    def commit_lsn(sk) -> int:
+        try:
+            return lsn_int(status(sk)["commit_lsn"])
+        except requests.HTTPError:
+            return 0  # the relay has not created the timeline yet
+
+    def committed(lsn: int) -> None:
+        for sk in sks:
+            wait_until(
+                lambda sk=sk: commit_lsn(sk) >= lsn,
+                f"{lsn:#x} committed",
+                timeout=60,
+            )
+            assert relay.proc.poll() is None, relay.log()
+
+    try:
+        committed(primary.current_lsn())
+        standby = pg_factory("standby").basebackup_from(primary, sks[0].pg_port)
+        first = standby.backup_start_lsn() // SEG
+        # ~26 MiB of WAL: the base backup's segment falls far below --wal-keep-size.
+        for i in range(12):
+            primary.psql(
+                f"INSERT INTO t SELECT g, repeat('x', 1000) "
+                f"FROM generate_series({i * 2000 + 1}, {(i + 1) * 2000}) g"
+            )
+        end = primary.current_lsn()
+        committed(end)
+        for sk in sks:
+            wait_until(
+                lambda sk=sk: seg_name(first) not in local_segments(sk),
+                "the base backup's segment removed locally",
+                timeout=120,
+            )
+        assert seg_name(first) in store.objects()
+        standby.start()
+        standby.wait_replayed(end, timeout=120)
+        q = "SELECT count(*), sum(id), md5(string_agg(id || ':' || v, ',' ORDER BY id)) FROM t"
+        assert standby.psql(q) == primary.psql(q)
+        assert standby.psql("SELECT count(*) FROM t") == "24000"
+    finally:
+        relay.stop()
 
 
 @pytest.mark.promise(12)

@@ -2,7 +2,8 @@
 //!
 //! The horizon ([`removal_horizon`]) is the minimum of: `backup_lsn` (only backed-up WAL goes),
 //! the commit LSN, the peers' horizon (the proposer's `truncate_lsn`: what a peer or a new
-//! proposer may still fetch from here), and the oldest position a connected reader holds; and
+//! proposer may still fetch from here, and the page before it, where a new synthetic proposer
+//! finds the last record's start), and the oldest position a connected reader holds; and
 //! at least `--wal-keep-size` bytes below the flush LSN stay. Only whole segments below the
 //! horizon's segment are removed. Without remote storage nothing is removed: a reader may ask
 //! for any WAL from the timeline start, and nothing else could serve it.
@@ -19,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::path::Path;
 
 use pg_wal::format::parse_xlog_file_name;
+use pg_wal::lsn::XLOG_BLCKSZ;
 use sk_core::storage::fs::Fs;
 use sk_core::types::Lsn;
 
@@ -63,7 +65,10 @@ pub fn removal_horizon(i: &HorizonInputs) -> Lsn {
     let Some(backup) = i.backup_lsn else {
         return Lsn::INVALID;
     };
-    let mut h = backup.min(i.commit_lsn).min(i.peer_horizon_lsn);
+    // The page below the peers' horizon stays too: a new proposer reads the record that ends
+    // there (`Proposer::prev_record_start`), also while remote storage is down.
+    let peers = Lsn(i.peer_horizon_lsn.0.saturating_sub(XLOG_BLCKSZ));
+    let mut h = backup.min(i.commit_lsn).min(peers);
     if let Some(r) = i.oldest_reader {
         h = h.min(r);
     }

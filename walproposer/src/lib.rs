@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
 use consensus::{Action, ConnId, CoreConfig, Event, ProposerCore, PushError, SkId};
 use pg_wal::decoder::WalStreamDecoder;
-use pg_wal::format::page_header_size;
+use pg_wal::lsn::XLOG_BLCKSZ;
 use sk_core::protocol::ProposerAcceptorMessage;
 use sk_core::types::{Lsn, TenantTimelineId, Term, TermHistory};
 
@@ -536,11 +536,17 @@ impl Proposer {
     /// The start of the last record before the term start, for a WAL source that must continue
     /// the `xl_prev` chain (the synthetic generator). Reads the tail from the buffer or from the
     /// safekeepers; `Lsn(0)` if there is no earlier WAL.
+    ///
+    /// It reads as little as it can: from the last page before the term start (the decoder
+    /// skips a record tail that continues onto that page), going back page by page, four times
+    /// further each time, to the last record boundary it knows (an earlier term start or the
+    /// truncate LSN). The safekeepers keep local WAL from their peers' horizon on, so a new
+    /// proposer starts while remote storage is down (issue 19).
     pub async fn prev_record_start(&self) -> Result<Lsn, ProposerError> {
         let end = self.term_start;
         // Record boundaries we know below the end: earlier term starts and the truncate LSN.
         let truncate = self.shared.lock().core.truncate_lsn();
-        let Some(from) = self
+        let Some(known) = self
             .history
             .0
             .iter()
@@ -551,50 +557,45 @@ impl Proposer {
         else {
             return Ok(Lsn(0));
         };
-        let tail = match self.read_buffered(from, end) {
-            Some(t) => t,
-            None => {
-                let mut last_err = String::from("no safekeeper to read from");
-                let mut got = None;
-                let addrs = self.shared.lock().addrs.clone();
-                for addr in &addrs {
-                    match fetch::fetch_wal(addr, self.shared.cfg.ttid, self.term, from, end).await {
-                        Ok(t) => {
-                            got = Some(t);
-                            break;
-                        }
-                        Err(e) => last_err = format!("{addr}: {e}"),
-                    }
-                }
-                got.ok_or(ProposerError::Recovery(last_err))?
-            }
-        };
-        if tail.len() as u64 != end.0 - from.0 {
-            return Err(ProposerError::Recovery(format!(
-                "WAL [{from}, {end}) is incomplete"
-            )));
-        }
         let seg = self.shared.cfg.wal_seg_size as u64;
-        let mut dec = WalStreamDecoder::new(from, seg);
-        let mut ends = vec![from];
-        dec.feed_with(&tail, |e| ends.push(e))
-            .map_err(|e| ProposerError::Recovery(format!("decoding WAL before {end}: {e}")))?;
-        if *ends.last().expect("not empty") != end {
-            return Err(ProposerError::Recovery(format!(
-                "WAL before the term start {end} does not end on a record boundary"
-            )));
+        let mut back = XLOG_BLCKSZ;
+        loop {
+            let from = known.max(Lsn(end.0.saturating_sub(back)).page_start());
+            let tail = self.read_wal(from, end).await?;
+            let mut dec = WalStreamDecoder::new(from, seg);
+            let mut last_end = from;
+            dec.feed_with(&tail, |e| last_end = e)
+                .map_err(|e| ProposerError::Recovery(format!("decoding WAL before {end}: {e}")))?;
+            if last_end != end {
+                return Err(ProposerError::Recovery(format!(
+                    "WAL before the term start {end} does not end on a record boundary"
+                )));
+            }
+            match dec.last_valid_record_start() {
+                Some(start) => return Ok(start),
+                // From a known boundary and no record before the end: there is none.
+                None if from == known => return Ok(Lsn(0)),
+                // Only the tail of a record that began further back: read more.
+                None => back = back.saturating_mul(4),
+            }
         }
-        if ends.len() < 2 {
-            return Ok(Lsn(0));
+    }
+
+    /// WAL `[from, end)` from the buffer, or else from the first safekeeper that serves it.
+    async fn read_wal(&self, from: Lsn, end: Lsn) -> Result<Vec<u8>, ProposerError> {
+        if let Some(t) = self.read_buffered(from, end) {
+            return Ok(t);
         }
-        // The last record starts where the one before it ended (after a page header when that
-        // end is a page boundary).
-        let before = ends[ends.len() - 2];
-        Ok(if before.page_offset() == 0 {
-            Lsn(before.0 + page_header_size(before, seg) as u64)
-        } else {
-            before
-        })
+        let mut last_err = String::from("no safekeeper to read from");
+        let addrs = self.shared.lock().addrs.clone();
+        for addr in &addrs {
+            match fetch::fetch_wal(addr, self.shared.cfg.ttid, self.term, from, end).await {
+                Ok(t) if t.len() as u64 == end.0 - from.0 => return Ok(t),
+                Ok(_) => last_err = format!("{addr}: WAL [{from}, {end}) is incomplete"),
+                Err(e) => last_err = format!("{addr}: {e}"),
+            }
+        }
+        Err(ProposerError::Recovery(last_err))
     }
 
     /// Ends streaming gracefully: every connected safekeeper gets the buffered WAL and the final

@@ -25,8 +25,18 @@ fn the_horizon_is_the_minimum_of_its_inputs() {
     };
     assert_eq!(
         removal_horizon(&i),
-        Lsn(8 * SEG + 7),
-        "the peers' horizon bounds it"
+        Lsn(8 * SEG + 7 - 8192),
+        "the peers' horizon bounds it, with the page before it"
+    );
+    let i = HorizonInputs {
+        backup_lsn: Some(Lsn(10 * SEG)),
+        peer_horizon_lsn: Lsn(9 * SEG),
+        ..inputs()
+    };
+    assert_eq!(
+        removal_horizon(&i).segment_number(SEG),
+        8,
+        "a horizon at a segment start keeps the segment before it (its last page)"
     );
     let i = HorizonInputs {
         backup_lsn: Some(Lsn(10 * SEG)),
