@@ -163,6 +163,18 @@ def push(sks, total: str = PUSH) -> dict:
     return walproposer(sks, "--wal-seg-size", str(SEG), "--total", total, "--record-size", "4000")
 
 
+def push_in_background(sks, total: str, stderr) -> subprocess.Popen:
+    """The push of `push()`, running while the test goes on (its stats on stdout)."""
+    return subprocess.Popen(
+        [str(sks[0].binary.with_name("walproposer")), "--safekeepers"]
+        + [",".join(f"127.0.0.1:{sk.pg_port}" for sk in sks)]
+        + ["--wal-seg-size", str(SEG), "--total", total, "--record-size", "4000"],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+
+
 def backed_up_to(sks, lsn: int, timeout: float = 120) -> int:
     """Waits until every node backed up every complete segment below `lsn` that it knows to be
     committed (a node may learn the last commit LSN late: the proposer may exit first); returns
@@ -320,22 +332,7 @@ def test_outage_removes_nothing_unbacked_and_the_backlog_uploads_on_return(
 @pytest.mark.promise(12)
 def test_kill9_during_uploads_leaves_no_torn_lost_or_doubled_object(safekeeper_factory, store):
     sks = start_sks(safekeeper_factory, store, [1 << 40, 1 << 40, 1 << 40])
-    proposer = subprocess.Popen(
-        [
-            str(sks[0].binary.with_name("walproposer")),
-            "--safekeepers",
-            ",".join(f"127.0.0.1:{sk.pg_port}" for sk in sks),
-            "--wal-seg-size",
-            str(SEG),
-            "--total",
-            "32M",
-            "--record-size",
-            "4000",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "RUST_LOG": "warn"},
-    )
+    proposer = push_in_background(sks, "32M", stderr=subprocess.DEVNULL)
     # Kill nodes while they upload, restart them.
     for victim in (sks[0], sks[1]):
         wait_until(lambda: len(store.objects()) >= 2, "uploads to start", timeout=60)
@@ -371,22 +368,7 @@ def test_disk_limit_refuses_appends_naming_it_serves_and_resumes(
         )
         sks.append(sk.start())
     restore = store.outage()  # no backup yet: nothing can be removed, the limit is reached
-    proposer = subprocess.Popen(
-        [
-            str(sks[0].binary.with_name("walproposer")),
-            "--safekeepers",
-            ",".join(f"127.0.0.1:{sk.pg_port}" for sk in sks),
-            "--wal-seg-size",
-            str(SEG),
-            "--total",
-            "32M",
-            "--record-size",
-            "4000",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "RUST_LOG": "warn"},
-    )
+    proposer = push_in_background(sks, "32M", stderr=subprocess.PIPE)
     try:
         wait_until(
             lambda: all("--max-timeline-disk-usage" in sk.log() for sk in sks),

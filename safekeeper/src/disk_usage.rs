@@ -179,14 +179,11 @@ mod tests {
         use sk_core::protocol::ProposerAcceptorMessage;
         use sk_core::types::Lsn;
 
-        use crate::test_util::{append, elect, greeting, run, sim_node};
+        use crate::test_util::{append, elected_timeline, sim_node};
         const SEG: u64 = 1 << 20;
         let (_sim, _fs, timelines) = sim_node();
-        let g = greeting(9, SEG);
-        let tl = timelines.get_or_create(&g, true).unwrap();
-        run(&tl, ProposerAcceptorMessage::Greeting(g));
         let start = Lsn(SEG);
-        elect(&tl, 1, &[(1, start)]);
+        let tl = elected_timeline(&timelines, 9, SEG, start);
         let mut walgen = WalGenerator::new(42, SEG, start).unwrap();
         let mut wal = Vec::new();
         walgen.fill(&mut wal, 10_000, &[1; 100]);

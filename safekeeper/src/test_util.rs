@@ -85,6 +85,21 @@ pub fn elect(tl: &Timeline, term: u64, history: &[(u64, Lsn)]) {
     );
 }
 
+/// Creates timeline `tl` (segments of `seg_size` bytes) on `timelines` as a proposer's greeting
+/// does, and elects term 1 starting at `start`.
+pub fn elected_timeline(
+    timelines: &GlobalTimelines,
+    tl: u8,
+    seg_size: u64,
+    start: Lsn,
+) -> Arc<Timeline> {
+    let g = greeting(tl, seg_size);
+    let timeline = timelines.get_or_create(&g, true).expect("timeline created");
+    run(&timeline, ProposerAcceptorMessage::Greeting(g));
+    elect(&timeline, 1, &[(1, start)]);
+    timeline
+}
+
 /// Appends `wal` from `start` in `term`, in pieces of at most `MAX_SEND_SIZE`, each made durable
 /// (`flush`) or only written (the WAL acceptor's `NoFlushAppendRequest`).
 pub fn append(tl: &Timeline, term: u64, start: Lsn, wal: &[u8], commit: Lsn, flush: bool) {

@@ -9,7 +9,7 @@ use sk_core::types::NodeId;
 
 use super::*;
 use crate::registry::GlobalTimelines;
-use crate::test_util::{append, elect, greeting, run};
+use crate::test_util::{append, elected_timeline, greeting, run};
 
 const SEG: u64 = 1 << 20;
 
@@ -76,11 +76,8 @@ fn bad_urls_are_refused_naming_the_url() {
 /// A node with one timeline holding `segs` complete committed segments (and a bit more).
 fn node_with_wal(datadir: &Path, segs: u64) -> (GlobalTimelines, Arc<Timeline>, Lsn) {
     let timelines = GlobalTimelines::load(datadir, NodeId(1), true).unwrap();
-    let g = greeting(7, SEG);
-    let tl = timelines.get_or_create(&g, true).unwrap();
-    run(&tl, ProposerAcceptorMessage::Greeting(g));
     let start = Lsn(SEG);
-    elect(&tl, 1, &[(1, start)]);
+    let tl = elected_timeline(&timelines, 7, SEG, start);
     let mut walgen = WalGenerator::new(42, SEG, start).unwrap();
     let mut wal = Vec::new();
     walgen.fill(&mut wal, (segs * SEG + SEG / 2) as usize, &[3; 1000]);
