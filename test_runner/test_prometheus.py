@@ -22,7 +22,7 @@ def test_promtool_checks_the_rules():
     promtool = require("promtool", "prometheus")
     out = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 11 rules found" in out.stdout, out.stdout
+    assert "SUCCESS: 12 rules found" in out.stdout, out.stdout
 
 
 def test_promtool_checks_metrics_clean(safekeeper):
@@ -163,7 +163,7 @@ scrape_configs:
         # Every rule group evaluates without errors; the alerts are loaded (none firing).
         rules = requests.get(f"{p.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
         loaded = [r for g in rules for r in g["rules"]]
-        assert len(loaded) == 11, loaded
+        assert len(loaded) == 12, loaded
         assert all(r["health"] == "ok" for r in loaded), [
             (r["name"], r.get("lastError")) for r in loaded if r["health"] != "ok"
         ]

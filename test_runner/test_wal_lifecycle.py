@@ -244,6 +244,14 @@ def test_backup_removal_and_readers_from_the_backup(safekeeper_factory, store, t
     metrics = requests.get(f"{sks[0].http}/metrics", timeout=5).text
     assert "safekeeper_wal_removed_segments_total" in metrics
 
+    def gauge(name: str) -> int:
+        line = next(x for x in metrics.splitlines() if x.startswith(name + "{"))
+        return int(float(line.split()[-1]))
+
+    assert gauge("safekeeper_backup_lsn") == lsn_int(status(sks[0])["backup_lsn"])
+    assert gauge("safekeeper_backup_lag_bytes") < 4 * SEG
+    assert 0 < gauge("safekeeper_timeline_local_wal_bytes") <= KEEP + 3 * SEG
+
 
 @pytest.mark.promise(12)
 def test_standby_built_after_removal_catches_up_from_the_backup(

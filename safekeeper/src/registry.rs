@@ -578,6 +578,18 @@ const TIMELINE_GAUGES: &[(&str, &str)] = &[
         "safekeeper_timeline_wal_readers",
         "Readers connected to the timeline",
     ),
+    (
+        "safekeeper_backup_lsn",
+        "End of the timeline's WAL backed up to remote storage (bytes; 0 without remote storage)",
+    ),
+    (
+        "safekeeper_backup_lag_bytes",
+        "Committed WAL in complete segments not yet backed up (0 without remote storage)",
+    ),
+    (
+        "safekeeper_timeline_local_wal_bytes",
+        "WAL held in the timeline's local segments: from the first local segment to the flush LSN",
+    ),
 ];
 
 impl TimelineCollector {
@@ -626,12 +638,23 @@ impl Collector for TimelineCollector {
             let t = tl.ttid.tenant_id.to_string();
             let l = tl.ttid.timeline_id.to_string();
             let labels = [t.as_str(), l.as_str()];
+            let seg = u64::from(s.wal_seg_size).max(1);
+            let backup_lag = match s.remote_location {
+                Some(_) => (s.commit_lsn.0 - s.commit_lsn.0 % seg).saturating_sub(s.backup_lsn.0),
+                None => 0,
+            };
+            let local_start = s.removal_horizon_lsn.max(s.local_start_lsn).0;
             let values = [
                 s.flush_lsn.0 as i64,
                 s.commit_lsn.0 as i64,
                 s.term.0 as i64,
                 s.proposers as i64,
                 s.readers as i64,
+                s.backup_lsn.0 as i64,
+                backup_lag as i64,
+                s.flush_lsn
+                    .0
+                    .saturating_sub(local_start - local_start % seg) as i64,
             ];
             for (v, value) in vecs.iter().zip(values) {
                 v.with_label_values(&labels).set(value);
