@@ -6,6 +6,7 @@ WAL_LIFECYCLE_PUSH sizes the main push (default 64M; the issue's figure is 256M)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -163,12 +164,14 @@ def push(sks, total: str = PUSH) -> dict:
     return walproposer(sks, "--wal-seg-size", str(SEG), "--total", total, "--record-size", "4000")
 
 
-def push_in_background(sks, total: str, stderr) -> subprocess.Popen:
-    """The push of `push()`, running while the test goes on (its stats on stdout)."""
+def push_in_background(sks, total: str, stderr, rate: str | None = None) -> subprocess.Popen:
+    """The push of `push()`, running while the test goes on (its stats on stdout), at `rate`
+    bytes per second if given."""
     return subprocess.Popen(
         [str(sks[0].binary.with_name("walproposer")), "--safekeepers"]
         + [",".join(f"127.0.0.1:{sk.pg_port}" for sk in sks)]
-        + ["--wal-seg-size", str(SEG), "--total", total, "--record-size", "4000"],
+        + ["--wal-seg-size", str(SEG), "--total", total, "--record-size", "4000"]
+        + (["--rate", rate] if rate else []),
         stdout=subprocess.PIPE,
         stderr=stderr,
         env={**os.environ, "RUST_LOG": "warn"},
@@ -340,15 +343,15 @@ def test_outage_removes_nothing_unbacked_and_the_backlog_uploads_on_return(
 @pytest.mark.promise(12)
 def test_kill9_during_uploads_leaves_no_torn_lost_or_doubled_object(safekeeper_factory, store):
     sks = start_sks(safekeeper_factory, store, [1 << 40, 1 << 40, 1 << 40])
-    proposer = push_in_background(sks, "32M", stderr=subprocess.DEVNULL)
+    # 32 MiB in ~4 s: the kills below land while WAL streams and segments upload.
+    proposer = push_in_background(sks, "32M", stderr=subprocess.DEVNULL, rate="8M")
     # Kill nodes while they upload, restart them.
     for victim in (sks[0], sks[1]):
         wait_until(lambda: len(store.objects()) >= 2, "uploads to start", timeout=60)
+        assert proposer.poll() is None, "the push ended before the kill"
         victim.kill()
         victim.start()
     assert proposer.wait(timeout=300) == 0
-    import json
-
     stats = json.loads(proposer.stdout.read().decode().strip().splitlines()[-1])
     backed = backed_up_to(sks, lsn_int(stats["commit_lsn"]))
     check_store(store, sks[2], lsn_int(stats["start_lsn"]) // SEG, backed)

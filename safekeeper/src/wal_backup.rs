@@ -310,6 +310,11 @@ impl Backup {
         }
         let from = backup_lsn.max(wal_start);
         let first = from.segment_number(seg_size);
+        // Nothing below the first segment of this node's WAL is to back up: the backed-up prefix
+        // starts there (else the lag would count the whole LSN space below the timeline start).
+        if backup_lsn < Lsn(first * seg_size) {
+            tl.set_backup_lsn(Lsn(first * seg_size));
+        }
         let end = tl.positions().commit_lsn.segment_number(seg_size);
         let mut done = futures::stream::iter(first..end)
             .map(|segno| {

@@ -100,6 +100,28 @@ fn local_segments(dir: &Path) -> Vec<u64> {
     v
 }
 
+/// A timeline whose commit LSN is still in its first segment has nothing to back up, and its
+/// backed-up prefix starts at that segment: no lag is reported for the LSNs below it.
+#[tokio::test]
+async fn backup_lsn_starts_at_the_first_segment_of_the_wal() {
+    let data = tempfile::tempdir().unwrap();
+    let remote = tempfile::tempdir().unwrap();
+    let timelines = GlobalTimelines::load(data.path(), NodeId(1), true).unwrap();
+    let start = Lsn(5 * SEG);
+    let tl = elected_timeline(&timelines, 7, SEG, start);
+    let mut walgen = WalGenerator::new(42, SEG, start).unwrap();
+    let mut wal = Vec::new();
+    walgen.fill(&mut wal, (SEG / 2) as usize, &[3; 1000]);
+    append(&tl, 1, start, &wal, walgen.lsn(), true);
+    assert_eq!(tl.backup_lsn(), Lsn::INVALID);
+    let backup = Backup::new(store(remote.path()), 1);
+    let lsn = backup
+        .backup_pass(&tl, None, &CancellationToken::new())
+        .await;
+    assert_eq!(lsn, start, "nothing below the WAL's first segment is owed");
+    assert_eq!(tl.status().backup_lsn, start);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn complete_committed_segments_are_backed_up_byte_identical_and_only_then_removed() {
     let data = tempfile::tempdir().unwrap();
@@ -281,7 +303,11 @@ async fn an_unwritable_store_backs_up_nothing_and_the_backlog_goes_when_it_retur
         metrics::BACKUP_ERRORS.get() > errors,
         "failures are counted"
     );
-    assert_eq!(tl.backup_lsn(), Lsn::INVALID);
+    assert_eq!(
+        tl.backup_lsn(),
+        Lsn(SEG),
+        "nothing backed up past the WAL's first segment start"
+    );
     assert_eq!(
         tl.remove_old_wal(0).unwrap(),
         0,
