@@ -20,15 +20,7 @@ fn cfg(n: usize) -> CoreConfig {
 }
 
 fn h(entries: &[(u64, u64)]) -> TermHistory {
-    TermHistory(
-        entries
-            .iter()
-            .map(|&(t, l)| TermLsn {
-                term: Term(t),
-                lsn: Lsn(l),
-            })
-            .collect(),
-    )
+    TermHistory::from_pairs(entries)
 }
 
 fn greeting(term: u64) -> AcceptorProposerMessage {
@@ -515,7 +507,10 @@ fn finishing_streams_end_with_the_final_truncate_lsn() {
         t.sent_to(sk);
     }
     t.step(Event::Finishing);
-    assert!(t.core.caught_up(0), "sent all WAL, the commit and the horizon");
+    assert!(
+        t.core.caught_up(0),
+        "sent all WAL, the commit and the horizon"
+    );
     // Safekeeper 2's acknowledgement moves the horizon: 0 and 1 are behind on it again, and are
     // sent an empty append carrying it.
     t.recv(2, ack(1, end, 0));
