@@ -117,6 +117,22 @@ def same_results(primary: PgCluster, standby: PgCluster) -> None:
         assert standby.psql(q) == primary.psql(q), q
 
 
+def follow_from(
+    primary: PgCluster, standby: PgCluster, port: int, tag: str, lo: int, hi: int, txs: int
+) -> None:
+    """Points the standby at the safekeeper on `port`; rows `lo..=hi` of `known` and `txs`
+    pgbench transactions later, it must return the primary's results, with `known` ending at
+    `hi`, and stream from that port."""
+    standby.psql(f"ALTER SYSTEM SET primary_conninfo = {standby.conninfo_setting(port)}")
+    standby.psql("SELECT pg_reload_conf()")
+    primary.psql(f"INSERT INTO known SELECT g, '{tag} ' || g FROM generate_series({lo}, {hi}) g")
+    pgbench(primary, "-c", "1", "-t", str(txs), "-n")
+    standby.wait_replayed(primary.current_lsn())
+    same_results(primary, standby)
+    assert standby.psql("SELECT count(*), max(id) FROM known") == f"{hi}|{hi}"
+    assert f"port={port}" in standby.psql("SHOW primary_conninfo")
+
+
 def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
     safekeeper_factory, pg_factory, tmp_path
 ):
@@ -198,18 +214,7 @@ def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
 
         # The standby's safekeeper stops; point the standby at another one.
         sks[0].stop()
-        standby.psql(
-            f"ALTER SYSTEM SET primary_conninfo = {standby.conninfo_setting(sks[1].pg_port)}"
-        )
-        standby.psql("SELECT pg_reload_conf()")
-        primary.psql("INSERT INTO known SELECT g, 'after ' || g FROM generate_series(2001, 2500) g")
-        pgbench(primary, "-c", "1", "-t", "200", "-n")
-        target = primary.current_lsn()
-        standby.wait_replayed(target)
-        same_results(primary, standby)
-        assert standby.psql("SELECT count(*), max(id) FROM known") == "2500|2500"
-        conninfo = standby.psql("SHOW primary_conninfo")
-        assert f"port={sks[1].pg_port}" in conninfo
+        follow_from(primary, standby, sks[1].pg_port, "after", 2001, 2500, 200)
 
         # The primary restarts: the relay reconnects and resumes where the proposer's WAL ends.
         primary.restart()
@@ -287,17 +292,7 @@ def test_primary_relayed_through_a_node_replacement_keeps_the_standby_consistent
         same_results(primary, standby)
 
         # The standby moves to the new safekeeper and follows new writes from there.
-        standby.psql(
-            f"ALTER SYSTEM SET primary_conninfo = {standby.conninfo_setting(cluster.sk(4).pg_port)}"
-        )
-        standby.psql("SELECT pg_reload_conf()")
-        primary.psql("INSERT INTO known SELECT g, 'on 4 ' || g FROM generate_series(1501, 1700) g")
-        pgbench(primary, "-c", "1", "-t", "100", "-n")
-        target = primary.current_lsn()
-        standby.wait_replayed(target)
-        same_results(primary, standby)
-        assert standby.psql("SELECT count(*), max(id) FROM known") == "1700|1700"
-        assert f"port={cluster.sk(4).pg_port}" in standby.psql("SHOW primary_conninfo")
+        follow_from(primary, standby, cluster.sk(4).pg_port, "on 4", 1501, 1700, 100)
 
         for i in (1, 3, 4):
             s = cluster.status(i)
