@@ -140,3 +140,59 @@ def test_recovery_and_pull_from_peers_that_require_jwt_and_tls(safekeeper_factor
     assert r.ok, r.text
     assert lsn_int(r.json()["flush_lsn"]) == end
     assert read_wal(puller, START, end) == read_wal(sks[0], START, end)
+
+
+@pytest.mark.promise(13)
+def test_a_proposer_that_connects_stops_recovery_and_its_stream_wins(safekeeper_factory, tmp_path):
+    """Safekeeper 3 lags by ~20 MiB and recovers slowly (failpoint `recovery-slow`); a new
+    walproposer connects mid-recovery: the recovery stops ("a proposer connected"), the new term
+    commits, and the three end with the same WAL."""
+    sks = [safekeeper_factory(i) for i in (1, 2, 3)]
+    for sk in sks:
+        sk.extra_args = peers(sks)
+        sk.start()
+    addrs = ["--safekeepers", ",".join(f"127.0.0.1:{sk.pg_port}" for sk in sks)]
+    ack_log = tmp_path / "acks"
+    wp = subprocess.Popen(
+        [str(RELEASE_DIR / "walproposer"), *addrs, "--total", "24M", "--rate", "12M"]
+        + ["--ack-log", str(ack_log)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_until(lambda: max_acked(ack_log) > START + (1 << 20), "1 MiB committed")
+    sks[2].kill()
+    assert wp.wait(timeout=60) == 0
+    # Its peers are down while it starts: no recovery until the failpoint is on.
+    for sk in sks[:2]:
+        sk.stop()
+    sks[2].start()
+    r = requests.put(f"{sks[2].http}/v1/failpoints?name=recovery-slow&active=true", timeout=5)
+    assert r.ok, r.text
+    for sk in sks[:2]:
+        sk.start()
+    wait_until(lambda: status(sks[2])["recovery"]["bytes"] > 0, "recovery to start")
+    assert status(sks[2])["recovery"]["active"]
+
+    # A new proposer (term 2) connects to all three: recovery stops, the proposer's stream wins.
+    out = subprocess.run(
+        [str(RELEASE_DIR / "walproposer"), *addrs, "--total", "2M"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    assert out.returncode == 0, out.stderr
+    s3 = wait_until(
+        lambda: (s := status(sks[2]))["recovery"]["last_error"] and s,
+        "the recovery to end",
+        timeout=5,
+    )
+    assert "a proposer connected" in s3["recovery"]["last_error"], s3
+    assert not s3["recovery"]["active"], s3
+    s1 = status(sks[0])
+    assert s1["term"] == 2 and s3["term"] == 2, (s1, s3)
+    wait_until(
+        lambda: status(sks[2])["flush_lsn"] == s1["flush_lsn"], "node 3 to hold term 2's WAL"
+    )
+    end = lsn_int(s1["flush_lsn"])
+    assert read_wal(sks[2], START, end) == read_wal(sks[0], START, end)

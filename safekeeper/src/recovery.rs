@@ -475,12 +475,14 @@ async fn recover(
             return Err("the acceptor refused the donor's history".into());
         }
         while pos < donor.flush_lsn {
+            // Biased: a proposer that connected wins over WAL that is ready to read.
             let event = tokio::select! {
-                e = reader.read() => e.map_err(|e| format!("{host}:{port}: {e}"))?,
+                biased;
                 _ = &mut proposer => return Err("a proposer connected".into()),
-                _ = msg_tx.closed() => return Err("the acceptor stopped".into()),
                 _ = cancel.cancelled() => return Err("shutting down".into()),
                 _ = tl.deleted().cancelled() => return Err("the timeline was deleted".into()),
+                _ = msg_tx.closed() => return Err("the acceptor stopped".into()),
+                e = reader.read() => e.map_err(|e| format!("{host}:{port}: {e}"))?,
             };
             let frame = match event {
                 CopyEvent::Data(d) => d,
@@ -518,6 +520,9 @@ async fn recover(
             metrics::RECOVERY_BYTES.inc_by(len);
             tl.update_recovery(|r| r.bytes += len);
             pos = end;
+            if sk_core::failpoint::active("recovery-slow") {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
         // The commit LSN is capped by the durable end of WAL: make the WAL durable, then move
         // the commit LSN with an empty append.
