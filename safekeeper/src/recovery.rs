@@ -294,7 +294,7 @@ async fn check_and_recover(
         r.donor = Some(donor.id);
     });
     metrics::RECOVERY_ACTIVE.inc();
-    let result = recover(tl, client, &me, donor, cancel).await;
+    let result = recover(tl, client, donor, cancel).await;
     metrics::RECOVERY_ACTIVE.dec();
     let secs = started.elapsed().as_secs_f64();
     match &result {
@@ -411,7 +411,6 @@ fn donor_pg_addr(
 async fn recover(
     tl: &Arc<Timeline>,
     client: &PeerClient,
-    me: &LocalView,
     donor: &PeerView,
     cancel: &CancellationToken,
 ) -> Result<u64, String> {
@@ -422,6 +421,9 @@ async fn recover(
     if tl.proposer_count() > 0 {
         return Err("a proposer connected".into());
     }
+    // Our state as it is now (the peers' answers took a while): still behind this donor?
+    let me = &tl.recovery_view();
+    check_donor(me, donor).map_err(|why| format!("no longer a donor: {why:?}"))?;
     let start = start_point(me, donor)?;
     if start < me.commit_lsn {
         return Err(format!(
