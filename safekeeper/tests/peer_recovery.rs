@@ -47,6 +47,20 @@ async fn poll(what: &str, secs: u64, mut done: impl AsyncFnMut() -> bool) {
     }
 }
 
+/// A vote of `d` for `term`, from a proposer that then goes away.
+async fn vote(d: &TestDaemon, term: u64) {
+    let mut c = Client::connect(d).await;
+    assert!(c.vote(Term(term)).await.vote_given);
+}
+
+/// Three recovery rounds of `d` take nothing: its WAL still ends at `at`, no session ran.
+async fn takes_nothing_for_three_rounds(d: &TestDaemon, at: Lsn) {
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let s = d.timeline_status().await;
+    assert_eq!(lsn(&s["flush_lsn"]), at, "{s}");
+    assert_eq!(s["recovery"]["sessions"], 0, "{s}");
+}
+
 /// Nodes 1, 2, 3 in `dirs` and a proposer elected over them.
 async fn three_and_a_proposer(
     dirs: &[tempfile::TempDir],
@@ -162,16 +176,11 @@ async fn a_donor_of_another_term_is_refused_until_we_are_in_its_term() {
     );
 
     // The peers' newest WAL is of term 2, ours is term 1: three recovery rounds take nothing.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let s3 = d3.timeline_status().await;
-    assert_eq!(lsn(&s3["flush_lsn"]), first, "{s3}");
-    assert_eq!(s3["recovery"]["sessions"], 0, "{s3}");
+    takes_nothing_for_three_rounds(&d3, first).await;
 
     // Node 3 votes in term 2 (a proposer that then goes away): now the peers are donors, and
     // node 3 takes term 2's history from them.
-    let mut c = Client::connect(&d3).await;
-    assert!(c.vote(Term(2)).await.vote_given);
-    drop(c);
+    vote(&d3, 2).await;
     let s1 = d1.timeline_status().await;
     poll("node 3 catches up in term 2", 15, async || {
         d3.timeline_status().await["flush_lsn"] == s1["flush_lsn"]
@@ -180,6 +189,56 @@ async fn a_donor_of_another_term_is_refused_until_we_are_in_its_term() {
     let s3 = d3.timeline_status().await;
     assert_eq!(s3["term_history"], s1["term_history"], "{s3}");
     assert_eq!(s3["last_log_term"], 2, "{s3}");
+    assert_eq!(
+        wal_bytes(&d3.datadir, START, end),
+        wal_bytes(dirs[0].path(), START, end)
+    );
+    for d in [d1, d2, d3] {
+        d.stop().await.unwrap();
+    }
+}
+
+/// The hazard of `(term='N')` streams: a peer that voted for term N but never got its
+/// `ProposerElected` serves its older WAL under term N, and that tail may be truncated by term
+/// N's proposer. Such a peer is never a donor, even when it is ahead; once a proposer of a later
+/// term wrote on the peers, node 3 (in that term) catches up from them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_only_voted_in_our_term_is_not_a_donor() {
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let (d1, d2, d3, p) = three_and_a_proposer(&dirs).await;
+    let stop_d3 = async {
+        poll("node 3 holds the first MiB", 10, async || {
+            lsn(&d3.timeline_status().await["flush_lsn"]) >= Lsn(START.0 + (1 << 20))
+        })
+        .await;
+        let dir = d3.datadir.clone();
+        d3.stop().await.unwrap();
+        dir
+    };
+    let (_, d3dir) = tokio::join!(write(&p, 4 << 20, Some(20 << 20)), stop_d3);
+    p.finish(Duration::from_secs(5)).await;
+    // Term 2 is only voted for, on nodes 1 and 3: node 1 is ahead, in our term, but its newest
+    // WAL is of term 1.
+    let d3 = TestDaemon::start_as(&d3dir, 3).await;
+    vote(&d1, 2).await;
+    vote(&d3, 2).await;
+    let behind = lsn(&d3.timeline_status().await["flush_lsn"]);
+    let d3 = restart_with_peers(d3, 3, &[(1, &d1), (2, &d2)]).await;
+    takes_nothing_for_three_rounds(&d3, behind).await;
+
+    // Term 3 is elected by nodes 1 and 2 (node 3 votes for it first) and writes: now they are
+    // donors in node 3's term.
+    vote(&d3, 3).await;
+    let p3 = elect(&[&d1, &d2]).await;
+    assert_eq!(p3.term(), Term(3));
+    let end = write(&p3, 1 << 20, None).await;
+    p3.finish(Duration::from_secs(5)).await;
+    poll("node 3 catches up in term 3", 15, async || {
+        lsn(&d3.timeline_status().await["flush_lsn"]) == end
+    })
+    .await;
+    let (s1, s3) = (d1.timeline_status().await, d3.timeline_status().await);
+    assert_eq!(s3["term_history"], s1["term_history"], "{s3}");
     assert_eq!(
         wal_bytes(&d3.datadir, START, end),
         wal_bytes(dirs[0].path(), START, end)
