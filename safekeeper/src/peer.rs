@@ -28,6 +28,9 @@ use crate::config::{Conf, read_secret_file};
 
 /// How long a peer may stay silent.
 pub const PEER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long connecting to a peer may take (a peer that is down must not hold a recovery check
+/// for the system's connect timeout, minutes).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A PostgreSQL connection to a peer: plain TCP or TLS over it.
 pub type PeerStream =
@@ -124,7 +127,7 @@ impl PeerClient {
     pub fn get(&self, addr: &str, path: &str) -> Result<Box<dyn Read + Send>, String> {
         let a = PeerAddr::parse(addr)?;
         let host = &a.authority;
-        let tcp = TcpStream::connect(host).map_err(|e| format!("{host}: {e}"))?;
+        let tcp = connect(host).map_err(|e| format!("{host}: {e}"))?;
         tcp.set_read_timeout(Some(PEER_TIMEOUT))
             .and_then(|()| tcp.set_write_timeout(Some(PEER_TIMEOUT)))
             .map_err(|e| format!("{host}: {e}"))?;
@@ -207,6 +210,19 @@ impl PeerClient {
             .await
             .map_err(|_| other(format!("connecting to {host}:{port} timed out")))?
     }
+}
+
+/// Connects to `host:port` (each address it resolves to, in turn) within [`CONNECT_TIMEOUT`].
+fn connect(authority: &str) -> std::io::Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for addr in authority.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("the name resolves to no address")))
 }
 
 /// A TLS client configuration trusting the CA certificates in `path` (PEM).
