@@ -18,9 +18,10 @@ import time
 import pytest
 import requests
 
-from fixtures.daemon import fmt_lsn, lsn_int
+from fixtures.daemon import fmt_lsn, lsn_int, read_wal, wait_until
 from fixtures.pg import PgCluster, WalProposerRelay
 from fixtures.tools import require, require_pg_tool
+from test_node_replacement import Cluster
 
 SEG = 16 << 20
 # Bigger values for the note's measurements; the defaults keep the test short.
@@ -100,6 +101,22 @@ def pgbench(primary: PgCluster, *args: str) -> None:
 def same_results(primary: PgCluster, standby: PgCluster) -> None:
     for q in CHECKS:
         assert standby.psql(q) == primary.psql(q), q
+
+
+def follow_from(
+    primary: PgCluster, standby: PgCluster, port: int, tag: str, lo: int, hi: int, txs: int
+) -> None:
+    """Points the standby at the safekeeper on `port`; rows `lo..=hi` of `known` and `txs`
+    pgbench transactions later, it must return the primary's results, with `known` ending at
+    `hi`, and stream from that port."""
+    standby.psql(f"ALTER SYSTEM SET primary_conninfo = {standby.conninfo_setting(port)}")
+    standby.psql("SELECT pg_reload_conf()")
+    primary.psql(f"INSERT INTO known SELECT g, '{tag} ' || g FROM generate_series({lo}, {hi}) g")
+    pgbench(primary, "-c", "1", "-t", str(txs), "-n")
+    standby.wait_replayed(primary.current_lsn())
+    same_results(primary, standby)
+    assert standby.psql("SELECT count(*), max(id) FROM known") == f"{hi}|{hi}"
+    assert f"port={port}" in standby.psql("SHOW primary_conninfo")
 
 
 def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
@@ -183,18 +200,7 @@ def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
 
         # The standby's safekeeper stops; point the standby at another one.
         sks[0].stop()
-        standby.psql(
-            f"ALTER SYSTEM SET primary_conninfo = {standby.conninfo_setting(sks[1].pg_port)}"
-        )
-        standby.psql("SELECT pg_reload_conf()")
-        primary.psql("INSERT INTO known SELECT g, 'after ' || g FROM generate_series(2001, 2500) g")
-        pgbench(primary, "-c", "1", "-t", "200", "-n")
-        target = primary.current_lsn()
-        standby.wait_replayed(target)
-        same_results(primary, standby)
-        assert standby.psql("SELECT count(*), max(id) FROM known") == "2500|2500"
-        conninfo = standby.psql("SHOW primary_conninfo")
-        assert f"port={sks[1].pg_port}" in conninfo
+        follow_from(primary, standby, sks[1].pg_port, "after", 2001, 2500, 200)
 
         # The primary restarts: the relay reconnects and resumes where the proposer's WAL ends.
         primary.restart()
@@ -224,6 +230,65 @@ def test_primary_relayed_through_safekeepers_to_standby_and_pg_receivewal(
         assert lsn_int(restart) >= end, restart
     finally:
         relay.kill()
+
+
+@pytest.mark.promise(10)
+def test_primary_relayed_through_a_node_replacement_keeps_the_standby_consistent(
+    pg_factory, tmp_path
+):
+    """A real primary relayed to safekeepers 1, 2, 3 of `scripts/local-cluster`; while pgbench
+    runs, safekeeper 2 dies with its disk and `local-cluster replace 2 4` pulls the timeline to
+    a new safekeeper 4 and switches the membership to {1, 3, 4}. The relay streams on; a standby
+    fed by the safekeepers (from 1, then from the new 4) ends with the primary's count/sum/md5,
+    and the members hold the same WAL."""
+    cluster = Cluster(tmp_path, 4)
+    out = cluster.run("start", "3")
+    assert out.returncode == 0, out.stderr
+    primary = pg_factory("primary").init(wal_sender_timeout="'3s'").start()
+    primary.psql("CREATE TABLE known (id int PRIMARY KEY, v text)")
+    primary.psql("INSERT INTO known SELECT g, 'row ' || g FROM generate_series(1, 1000) g")
+    relay = WalProposerRelay([cluster.sk(i) for i in (1, 2, 3)], primary, "wp_slot", tmp_path)
+    try:
+        start = lsn_int(
+            wait_committed(cluster.sk(1), primary.current_lsn(), relay)["local_start_lsn"]
+        )
+        standby = pg_factory("standby").basebackup_from(primary, cluster.sk(1).pg_port)
+        standby.start()
+        pgbench(primary, "-i", "-s", SCALE, "-q")
+
+        load = threading.Thread(
+            target=pgbench, args=(primary, "-c", "2", "-j", "2", "-T", "6", "-n")
+        )
+        load.start()
+        wait_until(
+            lambda: primary.psql("SELECT count(*) FROM pgbench_history") != "0", "pgbench to run"
+        )
+        os.kill(cluster.pid(2), 9)
+        shutil.rmtree(cluster.sk(2).datadir)
+        t0 = time.monotonic()
+        out = cluster.run("replace", "2", "4")
+        replace_s = time.monotonic() - t0
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "generation 3: members 1 3 4" in out.stdout, out.stdout
+        load.join()
+        primary.psql("INSERT INTO known SELECT g, 'after ' || g FROM generate_series(1001, 1500) g")
+        target = primary.current_lsn()
+        commit = lsn_int(wait_committed(cluster.sk(4), target, relay)["commit_lsn"])
+        standby.wait_replayed(target)
+        same_results(primary, standby)
+
+        # The standby moves to the new safekeeper and follows new writes from there.
+        follow_from(primary, standby, cluster.sk(4).pg_port, "on 4", 1501, 1700, 100)
+
+        for i in (1, 3, 4):
+            s = cluster.status(i)
+            assert s["generation"] == 3 and lsn_int(s["flush_lsn"]) >= commit, (i, s)
+        wal = {i: read_wal(cluster.sk(i), start, commit) for i in (1, 3, 4)}
+        assert wal[1] == wal[3] == wal[4]
+        print(f"\nFIGURES replace_seconds={replace_s:.2f} wal_mb={(commit - start) / 1e6:.1f}")
+    finally:
+        relay.kill()
+        cluster.run("stop")
 
 
 def test_relay_from_inside_a_record_and_after_a_restart(safekeeper_factory, pg_factory, tmp_path):

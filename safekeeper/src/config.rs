@@ -127,6 +127,24 @@ pub struct Conf {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     pub backup_parallelism: usize,
 
+    /// The peers this safekeeper recovers WAL from, by node id: `ID=HOST:HTTP_PORT` (or
+    /// `ID=https://HOST:HTTP_PORT`), comma-separated; this node's own id may be listed (it is
+    /// skipped). A timeline that lags behind a peer in its current term while no proposer is
+    /// connected fetches the missing WAL from it (README, "Peer recovery"). Empty: no recovery.
+    #[arg(long, env = "SAFEKEEPER_PEERS", value_delimiter = ',', value_parser = parse_peer)]
+    pub peers: Vec<(u64, String)>,
+
+    /// File holding the token sent to peers (pull_timeline, peer recovery): HTTP
+    /// `Authorization: Bearer` and the PostgreSQL password. For peers with
+    /// --auth-public-key-path, a JWT of scope safekeeperdata.
+    #[arg(long, env = "SAFEKEEPER_PEER_AUTH_TOKEN_PATH")]
+    pub peer_auth_token_path: Option<PathBuf>,
+
+    /// CA certificates (PEM) that `https://` peers' certificates are checked against (their
+    /// PostgreSQL port is then reached over TLS too).
+    #[arg(long, env = "SAFEKEEPER_PEER_CA")]
+    pub peer_ca: Option<PathBuf>,
+
     /// Serve the test-only HTTP routes (failpoints, debug memory). Not a flag: only the
     /// `safekeeper-testing` binary (built with the `testing` feature) sets it; without that
     /// feature the routes are not compiled at all.
@@ -195,6 +213,9 @@ impl Conf {
             max_timeline_disk_usage: 0,
             max_disk_usage_ratio: 0.0,
             log_format: LogFormat::Text,
+            peers: Vec::new(),
+            peer_auth_token_path: None,
+            peer_ca: None,
         }
     }
 }
@@ -221,6 +242,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(mult)
         .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// Parses one `--peers` entry, `ID=ADDRESS`.
+pub fn parse_peer(s: &str) -> Result<(u64, String), String> {
+    let bad = || format!("invalid peer {s:?}: expected ID=HOST:HTTP_PORT, e.g. 2=10.0.0.2:7676");
+    let (id, addr) = s.trim().split_once('=').ok_or_else(bad)?;
+    let id: u64 = id.parse().map_err(|_| bad())?;
+    crate::peer::PeerAddr::parse(addr).map_err(|e| format!("peer {id}: {e}"))?;
+    Ok((id, addr.to_string()))
 }
 
 /// Parses a fraction in `[0, 1)`.
@@ -259,6 +289,21 @@ mod tests {
         assert!(parse_size("1TB").is_err());
         assert!(parse_size("MB").is_err());
         assert!(parse_size("99999999999999GB").is_err());
+    }
+
+    #[test]
+    fn peers_parse_as_id_and_address() {
+        assert_eq!(
+            parse_peer("2=127.0.0.1:7677"),
+            Ok((2, "127.0.0.1:7677".into()))
+        );
+        assert_eq!(
+            parse_peer("3=https://sk3:7676"),
+            Ok((3, "https://sk3:7676".into()))
+        );
+        for bad in ["127.0.0.1:7677", "x=127.0.0.1:1", "2=nohost", "2="] {
+            assert!(parse_peer(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -185,6 +185,8 @@ pub async fn run(
         _ => bail!("--tls-cert and --tls-key go together"),
     };
     conf.check_open_binding()?;
+    let peer = crate::peer::PeerClient::from_conf(&conf)?;
+    let pg_port = listeners.pg_addr().port();
     // Remote storage: a bad URL or configuration stops start-up, naming the flag.
     let remote = match &conf.remote_storage {
         Some(url) => Some(crate::wal_backup::RemoteStorage::from_url(url)?),
@@ -272,6 +274,12 @@ pub async fn run(
             cancel.clone(),
         ))
     });
+    let recovery = tokio::spawn(crate::recovery::run(
+        timelines.clone(),
+        conf.peers.clone(),
+        peer.clone(),
+        cancel.clone(),
+    ));
     let reloader = tokio::spawn(reload_on_sighup(auth.clone(), tls.clone(), cancel.clone()));
     let pg = tokio::spawn(wal_service::run(
         listeners.pg,
@@ -287,6 +295,8 @@ pub async fn run(
         started_at: SystemTime::now(),
         timelines: timelines.clone(),
         auth,
+        peer,
+        pg_port,
     });
     let http_cancel = cancel.clone();
     let http = tokio::spawn(http::serve(
@@ -308,6 +318,7 @@ pub async fn run(
         tracing::warn!("connections did not finish within {SHUTDOWN_GRACE:?}");
     }
     let _ = manager.await;
+    let _ = recovery.await;
     for task in [lifecycle, disk].into_iter().flatten() {
         let _ = task.await;
     }

@@ -128,6 +128,10 @@ pub struct AppState {
     pub timelines: Arc<GlobalTimelines>,
     /// JWT keys (`--auth-public-key-path`); `None`: no authentication (loopback only).
     pub auth: Option<Arc<JwtAuth>>,
+    /// How this node reaches its peers (`--peer-auth-token-path`, `--peer-ca`).
+    pub peer: crate::peer::PeerClient,
+    /// The port the PostgreSQL protocol is served on.
+    pub pg_port: u16,
 }
 
 /// The safekeeper's HTTP router: the data routes and the observability routes, each class
@@ -338,6 +342,8 @@ struct Status {
     uptime_seconds: f64,
     started_at_unix: u64,
     datadir: String,
+    /// The PostgreSQL port (peers recovering from this node connect to it).
+    pg_port: u16,
 }
 
 async fn status(State(state): State<Arc<AppState>>) -> Json<Status> {
@@ -354,6 +360,7 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Status> {
             .unwrap_or_else(|_| state.conf.datadir.clone())
             .display()
             .to_string(),
+        pg_port: state.pg_port,
     })
 }
 
@@ -580,10 +587,11 @@ async fn pull_timeline(
     let req: PullRequest = parse_body(&body)?;
     let ttid = parse_ttid(&req.tenant_id, &req.timeline_id)?;
     let timelines = state.timelines.clone();
+    let client = state.peer.clone();
     let span = crate::timeline::span(&ttid);
     let pulled = blocking(move || {
         let _span = span.entered();
-        crate::pull::pull_timeline(&timelines, ttid, &req.http_hosts)
+        crate::pull::pull_timeline(&timelines, &client, ttid, &req.http_hosts)
     })
     .await?;
     match pulled {

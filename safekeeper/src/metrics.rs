@@ -195,6 +195,22 @@ pub static WAL_REMOVED_SEGMENTS: LazyLock<IntCounter> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_recovery_bytes_total`: WAL bytes fetched from peers by peer recovery.
+pub static RECOVERY_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_recovery_bytes_total",
+        "WAL bytes fetched from peers by peer recovery and fed to the acceptor",
+    )
+});
+
+/// `safekeeper_recovery_active`: timelines recovering WAL from a peer now.
+pub static RECOVERY_ACTIVE: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge(
+        "safekeeper_recovery_active",
+        "Timelines fetching WAL from a peer now (peer recovery)",
+    )
+});
+
 /// Forces registration of every metric so `/metrics` shows them before first use.
 pub fn register() {
     LazyLock::force(&WAL_WRITTEN_BYTES);
@@ -212,4 +228,6 @@ pub fn register() {
     LazyLock::force(&BACKUP_ERRORS);
     LazyLock::force(&BACKUP_SECONDS);
     LazyLock::force(&WAL_REMOVED_SEGMENTS);
+    LazyLock::force(&RECOVERY_BYTES);
+    LazyLock::force(&RECOVERY_ACTIVE);
 }

@@ -24,11 +24,10 @@
 //! ([`GlobalTimelines::install_pulled`]). A crash before the rename leaves only `tmp/`, emptied at
 //! start-up; after it, a complete verified timeline.
 //!
-//! Peers are reached over plain HTTP (`host:port`); HTTPS peers and peer tokens are not
-//! supported yet.
+//! Peers are reached through [`PeerClient`]: `host:port` over HTTP, `https://host:port` over
+//! HTTPS checked against `--peer-ca`, with `--peer-auth-token-path`'s token when given.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufReader, Read};
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -43,6 +42,7 @@ use sk_core::types::{Lsn, TenantTimelineId, Term};
 use tokio::sync::mpsc;
 
 use crate::control_file;
+use crate::peer::PeerClient;
 use crate::registry::GlobalTimelines;
 use crate::timeline::{TermRead, Timeline, TimelineError};
 use crate::wal_store::segment::segment_path;
@@ -57,8 +57,6 @@ const FRAME_END: u8 = 3;
 const CHUNK: u64 = 1 << 20;
 /// Largest frame a puller accepts.
 const MAX_FRAME: u64 = CHUNK + 64;
-/// How long a peer may stay silent.
-const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn frame(kind: u8, payload: &[&[u8]]) -> Bytes {
     let len: usize = payload.iter().map(|p| p.len()).sum();
@@ -203,6 +201,7 @@ struct PeerStatus {
 /// answer) and registers it. Blocking (network and file I/O); run it on a blocking thread.
 pub fn pull_timeline(
     timelines: &GlobalTimelines,
+    client: &PeerClient,
     ttid: TenantTimelineId,
     hosts: &[String],
 ) -> Result<Pulled, PullError> {
@@ -219,7 +218,7 @@ pub fn pull_timeline(
     let mut answers = Vec::new();
     let mut failures = Vec::new();
     for host in hosts {
-        match http_get(host, &path).and_then(|mut r| {
+        match client.get(host, &path).and_then(|mut r| {
             let mut body = String::new();
             r.read_to_string(&mut body)
                 .map_err(|e| format!("{host}: reading status: {e}"))?;
@@ -257,7 +256,15 @@ pub fn pull_timeline(
     }
     fs.create_dir_all(&tmp)
         .map_err(|e| TimelineError::io(format!("creating {}", tmp.display()), e))?;
-    let result = receive(timelines, &fs, &tmp, &source, ttid, (best_term, best_flush));
+    let result = receive(
+        timelines,
+        client,
+        &fs,
+        &tmp,
+        &source,
+        ttid,
+        (best_term, best_flush),
+    );
     let (start, flush) = match result {
         Ok(r) => r,
         Err(e) => {
@@ -278,6 +285,7 @@ pub fn pull_timeline(
 /// Returns the WAL range received.
 fn receive(
     timelines: &GlobalTimelines,
+    client: &PeerClient,
     fs: &Fs,
     tmp: &Path,
     source: &str,
@@ -291,7 +299,7 @@ fn receive(
         ttid.tenant_id, ttid.timeline_id
     );
     let mut r =
-        BufReader::with_capacity(1 << 20, http_get(source, &path).map_err(PullError::Peer)?);
+        BufReader::with_capacity(1 << 20, client.get(source, &path).map_err(PullError::Peer)?);
     let mut magic = [0u8; 8];
     r.read_exact(&mut magic)
         .map_err(|e| peer(format!("reading the snapshot: {e}")))?;
@@ -453,37 +461,4 @@ fn read_frame(r: &mut impl Read) -> Result<(u8, Vec<u8>), String> {
     r.read_exact(&mut payload)
         .map_err(|e| format!("the snapshot ended early: {e}"))?;
     Ok((head[0], payload))
-}
-
-/// `GET http://host/path` (HTTP/1.0: the body ends with the connection). Returns the body
-/// reader after a 200, the status and body otherwise.
-fn http_get(host: &str, path: &str) -> Result<impl Read, String> {
-    let host = host
-        .strip_prefix("http://")
-        .unwrap_or(host)
-        .trim_end_matches('/');
-    let stream = TcpStream::connect(host).map_err(|e| format!("{host}: {e}"))?;
-    stream
-        .set_read_timeout(Some(PEER_TIMEOUT))
-        .and_then(|()| stream.set_write_timeout(Some(PEER_TIMEOUT)))
-        .map_err(|e| format!("{host}: {e}"))?;
-    let mut w = &stream;
-    write!(w, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").map_err(|e| format!("{host}: {e}"))?;
-    let mut r = BufReader::new(stream);
-    let mut line = String::new();
-    r.read_line(&mut line).map_err(|e| format!("{host}: {e}"))?;
-    let code = line.split(' ').nth(1).unwrap_or("").to_string();
-    loop {
-        let mut h = String::new();
-        let n = r.read_line(&mut h).map_err(|e| format!("{host}: {e}"))?;
-        if n == 0 || h == "\r\n" || h == "\n" {
-            break;
-        }
-    }
-    if code != "200" {
-        let mut body = String::new();
-        let _ = r.take(4096).read_to_string(&mut body);
-        return Err(format!("{host}: GET {path}: HTTP {code}: {}", body.trim()));
-    }
-    Ok(r)
 }

@@ -9,7 +9,7 @@
 //! Not here: the node's set of timelines, their loading and creation ([`crate::registry`]).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -20,10 +20,11 @@ use sk_core::state::{Configuration, TimelinePersistentState};
 use sk_core::storage;
 use sk_core::storage::fs::Fs;
 use sk_core::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::control_file::FileControlStore;
+use crate::recovery::{LocalView, RecoveryStatus};
 use crate::remove_wal::{HorizonInputs, ReadHold, ReadHolds, removal_horizon};
 use crate::wal_backup::RemoteStorage;
 use crate::wal_store::{WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
@@ -114,6 +115,8 @@ pub struct TimelineStatus {
     pub removal_horizon_lsn: Lsn,
     /// Where this timeline's segments are backed up (`None` without remote storage).
     pub remote_location: Option<String>,
+    /// Peer recovery ([`crate::recovery`]).
+    pub recovery: RecoveryStatus,
 }
 
 /// The span of everything done for timeline `ttid`: every log line inside it carries the
@@ -149,6 +152,12 @@ pub struct Timeline {
     remote: std::sync::OnceLock<Arc<RemoteStorage>>,
     /// Why appends are refused (a disk-usage limit reached), if they are.
     disk_limit: Mutex<Option<String>>,
+    /// Wakes a peer recovery when a proposer connects (its stream wins).
+    proposer_arrived: Notify,
+    /// Set while a peer-recovery check or session of this timeline runs (one at a time).
+    recovery_busy: Arc<AtomicBool>,
+    /// What the status shows of peer recovery.
+    recovery: Mutex<RecoveryStatus>,
     /// Test hook: runs in a walsender between its term check and its WAL read.
     #[cfg(test)]
     pub(crate) before_wal_read: Mutex<Option<Box<dyn FnMut() + Send>>>,
@@ -213,6 +222,9 @@ impl Timeline {
             holds: Arc::new(ReadHolds::new(first_local.unwrap_or(0))),
             remote: std::sync::OnceLock::new(),
             disk_limit: Mutex::new(None),
+            proposer_arrived: Notify::new(),
+            recovery_busy: Arc::new(AtomicBool::new(false)),
+            recovery: Mutex::new(RecoveryStatus::default()),
             #[cfg(test)]
             before_wal_read: Mutex::new(None),
         })
@@ -466,6 +478,46 @@ impl Timeline {
             backup_lsn: a.inmem().backup_lsn,
             removal_horizon_lsn: Lsn(self.holds.removed_below() * self.seg_size),
             remote_location: self.remote().map(|r| r.timeline_location(&self.ttid)),
+            recovery: self.recovery.lock().expect("recovery lock").clone(),
+        }
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> NodeId {
+        self.lock().node_id()
+    }
+
+    /// Connected proposers.
+    pub fn proposer_count(&self) -> usize {
+        self.proposers.load(Ordering::Relaxed)
+    }
+
+    /// Completes when a proposer connects after the future was created (or enabled).
+    pub fn proposer_arrived(&self) -> tokio::sync::futures::Notified<'_> {
+        self.proposer_arrived.notified()
+    }
+
+    /// Takes the timeline's one peer-recovery slot; `None` if a check or session holds it. The
+    /// slot is free again when the returned guard drops.
+    pub fn recovery_slot(&self) -> Option<RecoverySlot> {
+        (!self.recovery_busy.swap(true, Ordering::AcqRel))
+            .then(|| RecoverySlot(self.recovery_busy.clone()))
+    }
+
+    /// Changes what the status shows of peer recovery.
+    pub fn update_recovery(&self, f: impl FnOnce(&mut RecoveryStatus)) {
+        f(&mut self.recovery.lock().expect("recovery lock"));
+    }
+
+    /// What peer recovery compares with its peers, read at one moment.
+    pub fn recovery_view(&self) -> LocalView {
+        let a = self.lock();
+        LocalView {
+            term: a.term(),
+            term_history: a.get_term_history(),
+            flush_lsn: a.flush_lsn(),
+            commit_lsn: a.commit_lsn(),
+            generation: a.state().mconf.generation,
         }
     }
 
@@ -512,6 +564,15 @@ pub struct SnapshotPoint {
     pub flush: Lsn,
 }
 
+/// Holds a timeline's peer-recovery slot ([`Timeline::recovery_slot`]).
+pub struct RecoverySlot(Arc<AtomicBool>);
+
+impl Drop for RecoverySlot {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Role {
     Proposer,
@@ -529,6 +590,7 @@ impl ConnectionGuard {
         match role {
             Role::Proposer => {
                 tl.proposers.fetch_add(1, Ordering::Relaxed);
+                tl.proposer_arrived.notify_waiters();
                 crate::metrics::WAL_RECEIVERS.inc();
             }
             Role::Reader => {

@@ -12,13 +12,13 @@ mod common;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{SEG_SIZE, SYSID, TestDaemon, greeting, ttid};
+use common::{TestDaemon, greeting, proposer_config, ttid};
 use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
 use sk_core::state::{Configuration, SafekeeperId};
 use sk_core::types::{Generation, Lsn, NodeId, Term};
+use walproposer::Proposer;
 use walproposer::conn::connect_push;
 use walproposer::synthetic::{self, SyntheticOptions};
-use walproposer::{Proposer, ProposerConfig};
 
 fn member(d: &TestDaemon, id: u64) -> SafekeeperId {
     SafekeeperId {
@@ -87,15 +87,10 @@ async fn the_proposer_follows_a_membership_change_and_keeps_committing() {
     for sk in &d[..3] {
         switch(sk, &first).await.expect("switched");
     }
-    let proposer = Proposer::elect(ProposerConfig {
-        safekeepers: d[..3].iter().map(|sk| sk.addr()).collect(),
-        ttid: ttid(),
-        system_id: SYSID,
-        pg_version: 150018,
-        wal_seg_size: SEG_SIZE as u32,
-        start_lsn: Lsn(0x0100_0000),
-        allow_timeline_creation: true,
-    })
+    let proposer = Proposer::elect(proposer_config(
+        d[..3].iter().map(|sk| sk.addr()).collect(),
+        Lsn(0x0100_0000),
+    ))
     .await
     .expect("elected over {1, 2, 3}");
     assert_eq!(proposer.term(), Term(1));

@@ -58,29 +58,6 @@ async fn pull(on: &TestDaemon, peers: &[&TestDaemon]) -> (u16, String) {
     .await
 }
 
-/// The WAL bytes `[from, to)` of the timeline under `datadir`, read from its segment files.
-fn wal_bytes(datadir: &std::path::Path, from: Lsn, to: Lsn) -> Vec<u8> {
-    let dir = datadir
-        .join(ttid().tenant_id.to_string())
-        .join(ttid().timeline_id.to_string());
-    let mut out = Vec::new();
-    let mut pos = from;
-    while pos < to {
-        let segno = pos.segment_number(SEG_SIZE);
-        let name = pg_wal::format::xlog_file_name(1, segno, SEG_SIZE);
-        let file = [dir.join(&name), dir.join(format!("{name}.partial"))]
-            .into_iter()
-            .find(|p| p.exists())
-            .unwrap_or_else(|| panic!("segment {name} missing"));
-        let data = std::fs::read(file).unwrap();
-        let off = pos.segment_offset(SEG_SIZE) as usize;
-        let n = ((SEG_SIZE as usize) - off).min((to.0 - pos.0) as usize);
-        out.extend_from_slice(&data[off..off + n]);
-        pos = Lsn(pos.0 + n as u64);
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pulled_timeline_is_byte_identical_and_serves() {
     let (d1dir, d2dir, d3dir) = (

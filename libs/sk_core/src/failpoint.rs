@@ -8,9 +8,16 @@
 //!   must after a failed fsync).
 //! - `pull-slow`: a `pull_timeline` sleeps 100 ms after each MiB it receives (so a test can
 //!   kill the puller mid-transfer).
+//! - `recovery-slow`: peer recovery sleeps 50 ms after each message of WAL it receives (so a
+//!   test can connect a proposer mid-recovery).
 
 /// Every failpoint the code checks.
-pub const KNOWN: &[&str] = &["wal-write-enospc", "wal-fsync-error", "pull-slow"];
+pub const KNOWN: &[&str] = &[
+    "wal-write-enospc",
+    "wal-fsync-error",
+    "pull-slow",
+    "recovery-slow",
+];
 
 #[cfg(feature = "testing")]
 static ACTIVE: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());

@@ -183,6 +183,19 @@ impl TermHistory {
         TermHistory(Vec::new())
     }
 
+    /// A history of `(term, lsn)` pairs, as written in tests and tools (not validated).
+    pub fn from_pairs(entries: &[(u64, u64)]) -> TermHistory {
+        TermHistory(
+            entries
+                .iter()
+                .map(|&(t, l)| TermLsn {
+                    term: Term(t),
+                    lsn: Lsn(l),
+                })
+                .collect(),
+        )
+    }
+
     /// Checks the ordering invariant (terms strictly increase, LSNs do not decrease).
     pub fn validate(&self) -> Result<(), TermHistoryError> {
         for w in self.0.windows(2) {
@@ -273,15 +286,7 @@ mod tests {
     use super::*;
 
     fn h(entries: &[(u64, u64)]) -> TermHistory {
-        TermHistory(
-            entries
-                .iter()
-                .map(|&(t, l)| TermLsn {
-                    term: Term(t),
-                    lsn: Lsn(l),
-                })
-                .collect(),
-        )
+        TermHistory::from_pairs(entries)
     }
 
     #[test]

@@ -39,8 +39,14 @@ impl TestDaemon {
 
     /// A daemon with node id `id` (a safekeeper set needs distinct ones).
     pub async fn start_as(datadir: &Path, id: u64) -> TestDaemon {
+        TestDaemon::start_with(datadir, id, |_| {}).await
+    }
+
+    /// A daemon with node id `id` and the configuration changes of `f`.
+    pub async fn start_with(datadir: &Path, id: u64, f: impl FnOnce(&mut Conf)) -> TestDaemon {
         let mut conf = Conf::for_tests(datadir.to_path_buf());
         conf.id = id;
+        f(&mut conf);
         let listeners = daemon::bind(&conf).await.expect("bind");
         let (pg, http) = (listeners.pg_addr(), listeners.http_addr());
         let (tx, rx) = oneshot::channel();
@@ -97,6 +103,45 @@ impl TestDaemon {
             .expect("/v1/timelines is a list")
             .len()
     }
+}
+
+/// A proposer of the test timeline over `safekeepers`, WAL from `start` if they are empty.
+pub fn proposer_config(
+    safekeepers: Vec<SafekeeperAddr>,
+    start: Lsn,
+) -> walproposer::ProposerConfig {
+    walproposer::ProposerConfig {
+        safekeepers,
+        ttid: ttid(),
+        system_id: SYSID,
+        pg_version: 150018,
+        wal_seg_size: SEG_SIZE as u32,
+        start_lsn: start,
+        allow_timeline_creation: true,
+    }
+}
+
+/// The WAL bytes `[from, to)` of the test timeline under `datadir`, read from its segment files.
+pub fn wal_bytes(datadir: &Path, from: Lsn, to: Lsn) -> Vec<u8> {
+    let dir = datadir
+        .join(ttid().tenant_id.to_string())
+        .join(ttid().timeline_id.to_string());
+    let mut out = Vec::new();
+    let mut pos = from;
+    while pos < to {
+        let segno = pos.segment_number(SEG_SIZE);
+        let name = pg_wal::format::xlog_file_name(1, segno, SEG_SIZE);
+        let file = [dir.join(&name), dir.join(format!("{name}.partial"))]
+            .into_iter()
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("segment {name} missing"));
+        let data = std::fs::read(file).unwrap();
+        let off = pos.segment_offset(SEG_SIZE) as usize;
+        let n = ((SEG_SIZE as usize) - off).min((to.0 - pos.0) as usize);
+        out.extend_from_slice(&data[off..off + n]);
+        pos = Lsn(pos.0 + n as u64);
+    }
+    out
 }
 
 /// A replication client configuration for the test timeline on `d`.

@@ -6,7 +6,7 @@ use super::*;
 use crate::protocol::{AppendRequestHeader, ProposerElected};
 use crate::state::{Configuration, SafekeeperId, ServerInfo};
 use crate::storage::mem::{MemControlStore, MemWalStore};
-use crate::types::{TenantId, TermLsn, TimelineId};
+use crate::types::{TenantId, TimelineId};
 
 type Sk = SafeKeeper<MemControlStore, MemWalStore>;
 
@@ -36,15 +36,7 @@ fn reboot(sk: Sk) -> Sk {
 }
 
 fn hist(entries: &[(u64, u64)]) -> TermHistory {
-    TermHistory(
-        entries
-            .iter()
-            .map(|&(t, l)| TermLsn {
-                term: Term(t),
-                lsn: Lsn(l),
-            })
-            .collect(),
-    )
+    TermHistory::from_pairs(entries)
 }
 
 fn greeting() -> ProposerGreeting {

@@ -1,0 +1,644 @@
+//! Peer recovery: a timeline that lags behind a peer in its current term, while no proposer
+//! streams to it, fetches the missing WAL from that peer.
+//!
+//! Every second ([`RECOVERY_TICK`]) the driver ([`run`]) looks at each timeline with no proposer
+//! connected and asks its peers (`--peers`, limited to the members of the timeline's membership
+//! configuration once it has one) for their status over HTTP. A peer is a **donor** only if
+//! - its term, and the term of its newest WAL (`last_log_term`), equal this node's term N: it
+//!   holds WAL of the one proposer of term N, from that proposer's `ProposerElected`, and its
+//!   walsender serves it under `(term='N')`. A peer whose term is N but whose newest WAL is of an
+//!   older term may hold a tail that term N's proposer truncates: it is never a donor;
+//! - its term was elected in this node's membership generation (`elected_generation`), so the
+//!   generation recorded with the recovered history stays true (the switch condition of a
+//!   membership change reads it);
+//! - its `(last_log_term, flush_lsn)` is beyond this node's.
+//!
+//! The most advanced donor's WAL is fetched with `START_REPLICATION PHYSICAL <lsn> (term='N')`
+//! on its PostgreSQL port and fed through the same acceptor as a proposer's stream
+//! ([`receive_wal::spawn_acceptor`]): first a `ProposerElected` carrying the donor's term
+//! history (so `process_msg` truncates a divergent tail of ours at the highest common point,
+//! refuses a start below our commit LSN, and adopts the history), then an `AppendRequest` per
+//! XLogData message with the donor's commit LSN. Every rule of `process_msg` holds, writes are
+//! fsynced in batches as a proposer's are, and nothing is acknowledged to anyone.
+//!
+//! A proposer that connects stops the recovery at once (its stream wins); the acceptor
+//! serializes the two in the meantime, and a proposer's higher term makes the acceptor refuse
+//! whatever recovery still queued.
+//!
+//! Not here: the HTTP and PostgreSQL clients ([`crate::peer`]), the acceptor pipeline
+//! ([`crate::receive_wal`]).
+
+use std::io::Read;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pq_proto::client::CopyEvent;
+use pq_proto::replication::ReplicationMessage;
+use serde::{Deserialize, Serialize};
+use sk_core::protocol::{
+    AppendRequest, AppendRequestHeader, ProposerAcceptorMessage, ProposerElected,
+};
+use sk_core::types::{Generation, Lsn, NodeId, Term, TermHistory, TermLsn};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::metrics;
+use crate::peer::{PeerAddr, PeerClient};
+use crate::receive_wal::{Outgoing, REPLY_QUEUE_SIZE, enqueue, spawn_acceptor};
+use crate::registry::GlobalTimelines;
+use crate::timeline::Timeline;
+
+/// How often each timeline is checked for a donor.
+pub const RECOVERY_TICK: Duration = Duration::from_secs(1);
+
+/// What `/v1/timelines` shows of a timeline's peer recovery.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RecoveryStatus {
+    /// Whether WAL is being fetched from a peer now.
+    pub active: bool,
+    /// The peer it is (or was last) fetched from.
+    pub donor: Option<NodeId>,
+    /// WAL bytes received by recovery on this timeline since the daemon started.
+    pub bytes: u64,
+    /// Completed recovery sessions.
+    pub sessions: u64,
+    /// Why the last session failed, if it did (cleared by one that succeeds).
+    pub last_error: Option<String>,
+}
+
+/// This node's side of the comparison, read under the acceptor lock.
+#[derive(Clone, Debug)]
+pub struct LocalView {
+    /// The acceptor's term.
+    pub term: Term,
+    /// The history of the WAL held (up to `flush_lsn`).
+    pub term_history: TermHistory,
+    /// Durable end of WAL.
+    pub flush_lsn: Lsn,
+    /// Commit LSN known in memory.
+    pub commit_lsn: Lsn,
+    /// The membership generation in force.
+    pub generation: Generation,
+}
+
+impl LocalView {
+    fn last_log_term(&self) -> Term {
+        self.term_history.last_log_term()
+    }
+}
+
+/// A peer's timeline status, as far as recovery needs it.
+#[derive(Clone, Debug)]
+pub struct PeerView {
+    /// The peer's node id.
+    pub id: NodeId,
+    /// Its HTTP address (as in `--peers`).
+    pub http: String,
+    /// Its acceptor's term.
+    pub term: Term,
+    /// The history of its WAL.
+    pub term_history: TermHistory,
+    /// Its durable end of WAL.
+    pub flush_lsn: Lsn,
+    /// Its commit LSN.
+    pub commit_lsn: Lsn,
+    /// The generation its newest term was elected in.
+    pub elected_generation: Generation,
+}
+
+impl PeerView {
+    fn last_log_term(&self) -> Term {
+        self.term_history.last_log_term()
+    }
+}
+
+/// Why a peer is not a donor (logged at debug level; shown in the tests).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotADonor {
+    /// Not ahead of us.
+    NotAhead,
+    /// Its term or its newest WAL's term is not our term.
+    OtherTerm {
+        /// Our term.
+        ours: Term,
+        /// The peer's term.
+        term: Term,
+        /// The term of the peer's newest WAL.
+        last_log_term: Term,
+    },
+    /// Its term was elected in another membership generation than ours.
+    OtherGeneration {
+        /// Ours.
+        ours: Generation,
+        /// Where the peer's term was elected.
+        elected: Generation,
+    },
+}
+
+/// Whether `peer` may give `me` WAL (the module's donor rules).
+pub fn check_donor(me: &LocalView, peer: &PeerView) -> Result<(), NotADonor> {
+    if (peer.last_log_term(), peer.flush_lsn) <= (me.last_log_term(), me.flush_lsn) {
+        return Err(NotADonor::NotAhead);
+    }
+    if peer.term != me.term || peer.last_log_term() != me.term {
+        return Err(NotADonor::OtherTerm {
+            ours: me.term,
+            term: peer.term,
+            last_log_term: peer.last_log_term(),
+        });
+    }
+    if peer.elected_generation != me.generation {
+        return Err(NotADonor::OtherGeneration {
+            ours: me.generation,
+            elected: peer.elected_generation,
+        });
+    }
+    Ok(())
+}
+
+/// The most advanced donor among `peers`, if any.
+pub fn choose_donor<'a>(me: &LocalView, peers: &'a [PeerView]) -> Option<&'a PeerView> {
+    peers
+        .iter()
+        .filter(|p| match check_donor(me, p) {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::debug!(peer = %p.id, ?why, "not a donor");
+                false
+            }
+        })
+        .max_by_key(|p| p.flush_lsn)
+}
+
+/// Where the donor's WAL is appended: the highest point our history has in common with the
+/// donor's (what `process_msg` computes for the `ProposerElected`), or the donor history's start
+/// if none.
+pub fn start_point(me: &LocalView, donor: &PeerView) -> Result<Lsn, String> {
+    let first = donor
+        .term_history
+        .0
+        .first()
+        .ok_or("the donor's term history is empty")?;
+    let common =
+        TermHistory::find_highest_common_point(&donor.term_history, &me.term_history, me.flush_lsn)
+            .map_err(|e| e.to_string())?;
+    Ok(common.map(|c| c.lsn).unwrap_or(first.lsn))
+}
+
+/// The driver: checks every timeline each [`RECOVERY_TICK`] and runs recoveries, at most one per
+/// timeline at a time, until `cancel`. Returns at once without peers.
+pub async fn run(
+    timelines: Arc<GlobalTimelines>,
+    peers: Vec<(u64, String)>,
+    client: PeerClient,
+    cancel: CancellationToken,
+) {
+    let me = timelines.node_id();
+    let peers: Arc<Vec<(NodeId, String)>> = Arc::new(
+        peers
+            .into_iter()
+            .map(|(id, a)| (NodeId(id), a))
+            .filter(|(id, _)| *id != me)
+            .collect(),
+    );
+    if peers.is_empty() {
+        return;
+    }
+    tracing::info!(peers = ?peers, "peer recovery on");
+    let tasks = TaskTracker::new();
+    let mut tick = tokio::time::interval(RECOVERY_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = cancel.cancelled() => break,
+        }
+        for tl in timelines.all() {
+            if tl.deleted().is_cancelled() || tl.proposer_count() > 0 {
+                continue;
+            }
+            let Some(busy) = tl.recovery_slot() else {
+                continue; // a check or a recovery of this timeline is under way
+            };
+            let (peers, client, cancel) = (peers.clone(), client.clone(), cancel.clone());
+            let span = crate::timeline::span(&tl.ttid);
+            tasks.spawn(
+                async move {
+                    let _busy = busy;
+                    check_and_recover(&tl, &peers, &client, &cancel).await;
+                }
+                .instrument(span),
+            );
+        }
+    }
+    tasks.close();
+    tasks.wait().await;
+}
+
+/// One check of `tl`: poll the peers, and if one is a donor, recover from it.
+async fn check_and_recover(
+    tl: &Arc<Timeline>,
+    peers: &[(NodeId, String)],
+    client: &PeerClient,
+    cancel: &CancellationToken,
+) {
+    let mconf = tl.status().mconf;
+    if mconf.generation.0 > 0 && !mconf.contains(tl.node_id()) {
+        return; // not a member: takes no part
+    }
+    let asked: Vec<(NodeId, String)> = peers
+        .iter()
+        .filter(|(id, _)| mconf.generation.0 == 0 || mconf.contains(*id))
+        .cloned()
+        .collect();
+    let me = tl.recovery_view();
+    if asked.is_empty() {
+        return;
+    }
+    let views = {
+        let (client, ttid) = (client.clone(), tl.ttid);
+        tokio::task::spawn_blocking(move || {
+            asked
+                .iter()
+                .filter_map(|(id, http)| match peer_view(&client, ttid, *id, http) {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        tracing::debug!(peer = %id, "peer status: {e}");
+                        None
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default()
+    };
+    let Some(donor) = choose_donor(&me, &views) else {
+        return;
+    };
+    if tl.proposer_count() > 0 {
+        return;
+    }
+    let started = Instant::now();
+    tracing::info!(
+        donor = %donor.id,
+        term = %me.term,
+        from = %me.flush_lsn,
+        to = %donor.flush_lsn,
+        "recovering WAL from a peer"
+    );
+    tl.update_recovery(|r| {
+        r.active = true;
+        r.donor = Some(donor.id);
+    });
+    metrics::RECOVERY_ACTIVE.inc();
+    let result = recover(tl, client, donor, cancel).await;
+    metrics::RECOVERY_ACTIVE.dec();
+    let secs = started.elapsed().as_secs_f64();
+    match &result {
+        Ok(bytes) => tracing::info!(
+            donor = %donor.id,
+            bytes,
+            seconds = secs,
+            positions = ?tl.positions(),
+            "recovery from a peer done"
+        ),
+        Err(e) => tracing::warn!(donor = %donor.id, "recovery from a peer failed: {e}"),
+    }
+    tl.update_recovery(|r| {
+        r.active = false;
+        r.sessions += 1;
+        r.last_error = result.err();
+    });
+}
+
+/// The part of a peer's timeline status recovery reads.
+#[derive(Deserialize)]
+struct StatusJson {
+    term: Term,
+    term_history: Vec<EntryJson>,
+    flush_lsn: String,
+    commit_lsn: String,
+    elected_generation: u32,
+}
+
+#[derive(Deserialize)]
+struct EntryJson {
+    term: Term,
+    lsn: String,
+}
+
+/// Asks peer `id` at `http` for its status of `ttid`. Blocking.
+fn peer_view(
+    client: &PeerClient,
+    ttid: sk_core::types::TenantTimelineId,
+    id: NodeId,
+    http: &str,
+) -> Result<PeerView, String> {
+    let path = format!(
+        "/v1/tenant/{}/timeline/{}",
+        ttid.tenant_id, ttid.timeline_id
+    );
+    let mut body = String::new();
+    client
+        .get(http, &path)?
+        .take(1 << 20)
+        .read_to_string(&mut body)
+        .map_err(|e| format!("{http}: {e}"))?;
+    let s: StatusJson = serde_json::from_str(&body).map_err(|e| format!("{http}: {e}"))?;
+    let lsn = |v: &str| -> Result<Lsn, String> { v.parse().map_err(|e| format!("{http}: {e}")) };
+    let term_history = TermHistory(
+        s.term_history
+            .iter()
+            .map(|e| {
+                Ok(TermLsn {
+                    term: e.term,
+                    lsn: lsn(&e.lsn)?,
+                })
+            })
+            .collect::<Result<_, String>>()?,
+    );
+    term_history
+        .validate()
+        .map_err(|e| format!("{http}: {e}"))?;
+    Ok(PeerView {
+        id,
+        http: http.to_string(),
+        term: s.term,
+        term_history,
+        flush_lsn: lsn(&s.flush_lsn)?,
+        commit_lsn: lsn(&s.commit_lsn)?,
+        elected_generation: Generation(s.elected_generation),
+    })
+}
+
+/// The donor's PostgreSQL address: its entry in our membership configuration, else the host of
+/// its HTTP address and the port its `/v1/status` names. Blocking.
+fn donor_pg_addr(
+    tl: &Timeline,
+    client: &PeerClient,
+    donor: &PeerView,
+) -> Result<(String, u16, bool), String> {
+    let http = PeerAddr::parse(&donor.http)?;
+    let mconf = tl.status().mconf;
+    let member = mconf
+        .members
+        .iter()
+        .chain(mconf.new_members.iter().flatten())
+        .find(|m| m.id == donor.id);
+    if let Some(m) = member {
+        return Ok((m.host.clone(), m.pg_port, http.tls));
+    }
+    #[derive(Deserialize)]
+    struct NodeStatus {
+        pg_port: u16,
+    }
+    let mut body = String::new();
+    client
+        .get(&donor.http, "/v1/status")?
+        .take(1 << 16)
+        .read_to_string(&mut body)
+        .map_err(|e| format!("{}: {e}", donor.http))?;
+    let s: NodeStatus =
+        serde_json::from_str(&body).map_err(|e| format!("{}: /v1/status: {e}", donor.http))?;
+    Ok((http.host, s.pg_port, http.tls))
+}
+
+/// Streams the donor's WAL from our start point up to the donor's flush LSN (as its status
+/// said) through the timeline's acceptor. Returns the WAL bytes applied.
+async fn recover(
+    tl: &Arc<Timeline>,
+    client: &PeerClient,
+    donor: &PeerView,
+    cancel: &CancellationToken,
+) -> Result<u64, String> {
+    // Registered before the check below: a proposer that arrives after it wakes us.
+    let proposer = tl.proposer_arrived();
+    tokio::pin!(proposer);
+    proposer.as_mut().enable();
+    if tl.proposer_count() > 0 {
+        return Err("a proposer connected".into());
+    }
+    // Our state as it is now (the peers' answers took a while): still behind this donor?
+    let me = &tl.recovery_view();
+    check_donor(me, donor).map_err(|why| format!("no longer a donor: {why:?}"))?;
+    let start = start_point(me, donor)?;
+    if start < me.commit_lsn {
+        return Err(format!(
+            "the donor's history diverges from ours at {start}, below our commit LSN {}",
+            me.commit_lsn
+        ));
+    }
+    let (host, port, tls) = {
+        let (tl, client, donor) = (tl.clone(), client.clone(), donor.clone());
+        tokio::task::spawn_blocking(move || donor_pg_addr(&tl, &client, &donor))
+            .await
+            .map_err(|e| e.to_string())??
+    };
+    let app = format!("safekeeper_{}_recovery", tl.node_id().0);
+    let conn = client
+        .connect_pg(&host, port, tls, tl.ttid, &app)
+        .await
+        .map_err(|e| format!("connecting to {host}:{port}: {e}"))?;
+    let term = me.term;
+    let (mut reader, mut writer) = conn
+        .start_copy_both(&format!(
+            "START_REPLICATION PHYSICAL {start} (term='{}')",
+            term.0
+        ))
+        .await
+        .map_err(|e| format!("{host}:{port}: START_REPLICATION: {e}"))?;
+
+    let (reply_tx, mut reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
+    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx);
+    // The acceptor's replies: its errors end the session; its flush LSNs say what is durable.
+    let replies = tokio::spawn(async move {
+        let mut error = None;
+        while let Some(out) = reply_rx.recv().await {
+            if let Outgoing::Error(e) = out {
+                error.get_or_insert(e.message);
+            }
+        }
+        error
+    });
+    let generation = donor.elected_generation;
+    let elected = ProposerAcceptorMessage::Elected(ProposerElected {
+        generation,
+        term,
+        start_streaming_at: start,
+        term_history: donor.term_history.clone(),
+    });
+    let mut applied = 0u64;
+    let mut pos = start;
+    let outcome: Result<(), String> = async {
+        if !enqueue(&msg_tx, elected).await {
+            return Err("the acceptor refused the donor's history".into());
+        }
+        while pos < donor.flush_lsn {
+            // Biased: a proposer that connected wins over WAL that is ready to read.
+            let event = tokio::select! {
+                biased;
+                _ = &mut proposer => return Err("a proposer connected".into()),
+                _ = cancel.cancelled() => return Err("shutting down".into()),
+                _ = tl.deleted().cancelled() => return Err("the timeline was deleted".into()),
+                _ = msg_tx.closed() => return Err("the acceptor stopped".into()),
+                e = reader.read() => e.map_err(|e| format!("{host}:{port}: {e}"))?,
+            };
+            let frame = match event {
+                CopyEvent::Data(d) => d,
+                CopyEvent::Done => return Err(format!("{host}:{port} ended the stream")),
+            };
+            let (wal_start, data): (Lsn, Bytes) = match ReplicationMessage::decode(frame) {
+                Ok(ReplicationMessage::XLogData {
+                    wal_start, data, ..
+                }) => (wal_start, data),
+                Ok(ReplicationMessage::Keepalive { .. }) => continue,
+                Err(e) => return Err(format!("{host}:{port}: invalid walsender message: {e}")),
+            };
+            if wal_start != pos {
+                return Err(format!(
+                    "{host}:{port} sent WAL at {wal_start}, {pos} was expected"
+                ));
+            }
+            let end = Lsn(pos.0 + data.len() as u64);
+            let len = data.len() as u64;
+            let append = ProposerAcceptorMessage::AppendRequest(AppendRequest {
+                h: AppendRequestHeader {
+                    generation,
+                    term,
+                    begin_lsn: pos,
+                    end_lsn: end,
+                    commit_lsn: donor.commit_lsn,
+                    truncate_lsn: Lsn::INVALID,
+                },
+                wal_data: data,
+            });
+            if !enqueue(&msg_tx, append).await {
+                return Err("the acceptor stopped".into());
+            }
+            applied += len;
+            metrics::RECOVERY_BYTES.inc_by(len);
+            tl.update_recovery(|r| r.bytes += len);
+            pos = end;
+            if sk_core::failpoint::active("recovery-slow") {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        // The commit LSN is capped by the durable end of WAL: make the WAL durable, then move
+        // the commit LSN with an empty append.
+        let commit = ProposerAcceptorMessage::AppendRequest(AppendRequest {
+            h: AppendRequestHeader {
+                generation,
+                term,
+                begin_lsn: pos,
+                end_lsn: pos,
+                commit_lsn: donor.commit_lsn,
+                truncate_lsn: Lsn::INVALID,
+            },
+            wal_data: Bytes::new(),
+        });
+        if !enqueue(&msg_tx, ProposerAcceptorMessage::FlushWAL).await
+            || !enqueue(&msg_tx, commit).await
+        {
+            return Err("the acceptor stopped".into());
+        }
+        Ok(())
+    }
+    .await;
+    let _ = writer.send_copy_done().await;
+    // Closing the queue makes the acceptor flush what it wrote and exit.
+    drop(msg_tx);
+    if let Err(e) = acceptor.await {
+        return Err(format!("the WAL acceptor task failed: {e}"));
+    }
+    let refused = replies.await.ok().flatten();
+    match (outcome, refused) {
+        (_, Some(e)) => Err(format!("the acceptor refused the donor's WAL: {e}")),
+        (Err(e), None) => Err(e),
+        (Ok(()), None) => Ok(applied),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hist(entries: &[(u64, u64)]) -> TermHistory {
+        TermHistory::from_pairs(entries)
+    }
+
+    fn me(term: u64, h: &[(u64, u64)], flush: u64) -> LocalView {
+        LocalView {
+            term: Term(term),
+            term_history: hist(h),
+            flush_lsn: Lsn(flush),
+            commit_lsn: Lsn(0),
+            generation: Generation(0),
+        }
+    }
+
+    fn peer(id: u64, term: u64, h: &[(u64, u64)], flush: u64) -> PeerView {
+        PeerView {
+            id: NodeId(id),
+            http: format!("127.0.0.1:{id}"),
+            term: Term(term),
+            term_history: hist(h),
+            flush_lsn: Lsn(flush),
+            commit_lsn: Lsn(0),
+            elected_generation: Generation(0),
+        }
+    }
+
+    #[test]
+    fn only_a_peer_ahead_in_our_term_with_wal_of_that_term_is_a_donor() {
+        let m = me(3, &[(1, 100), (3, 500)], 900);
+        // Ahead in term 3: the most advanced one is chosen.
+        let a = peer(1, 3, &[(1, 100), (3, 500)], 1500);
+        let b = peer(2, 3, &[(1, 100), (3, 500)], 2000);
+        assert_eq!(
+            choose_donor(&m, &[a.clone(), b.clone()]).unwrap().id,
+            NodeId(2)
+        );
+        // Voted for term 3 but holds only older WAL: a tail term 3 may truncate.
+        let voted_only = peer(4, 3, &[(1, 100), (2, 400)], 5000);
+        assert!(matches!(
+            check_donor(&m, &voted_only),
+            Err(NotADonor::NotAhead | NotADonor::OtherTerm { .. })
+        ));
+        // A newer term than ours: never (we would have to vote first).
+        let newer = peer(5, 4, &[(1, 100), (3, 500), (4, 2000)], 2500);
+        assert!(matches!(
+            check_donor(&m, &newer),
+            Err(NotADonor::OtherTerm { .. })
+        ));
+        // Behind or equal: nothing to fetch.
+        assert_eq!(
+            check_donor(&m, &peer(6, 3, &[(1, 100), (3, 500)], 900)),
+            Err(NotADonor::NotAhead)
+        );
+        // Elected in another generation than ours.
+        let mut other_gen = a.clone();
+        other_gen.elected_generation = Generation(2);
+        assert!(matches!(
+            check_donor(&m, &other_gen),
+            Err(NotADonor::OtherGeneration { .. })
+        ));
+        assert!(choose_donor(&m, &[voted_only, newer, other_gen]).is_none());
+    }
+
+    #[test]
+    fn the_start_point_cuts_our_divergent_tail() {
+        // We hold term 2's WAL, which term 3 never had: it goes, from where term 2 began.
+        let m = me(3, &[(1, 100), (2, 400)], 900);
+        let d = peer(1, 3, &[(1, 100), (3, 600)], 2000);
+        assert_eq!(start_point(&m, &d), Ok(Lsn(400)));
+        // Same history: from our end.
+        let m = me(3, &[(1, 100), (3, 600)], 900);
+        assert_eq!(start_point(&m, &d), Ok(Lsn(900)));
+        // Nothing in common (our WAL is empty): the donor's start.
+        let m = me(3, &[], 0);
+        assert_eq!(start_point(&m, &d), Ok(Lsn(100)));
+    }
+}
