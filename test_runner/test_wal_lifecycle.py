@@ -379,7 +379,9 @@ def test_disk_limit_refuses_appends_naming_it_serves_and_resumes(
         )
         sks.append(sk.start())
     restore = store.outage()  # no backup yet: nothing can be removed, the limit is reached
-    proposer = push_in_background(sks, "32M", stderr=subprocess.PIPE)
+    # 32 MiB in ~8 s: every node measures its usage (each second) past the limit before the
+    # push could complete on two of them, and learns commit LSNs from the appends before.
+    proposer = push_in_background(sks, "32M", stderr=subprocess.PIPE, rate="4M")
     try:
         wait_until(
             lambda: all("--max-timeline-disk-usage" in sk.log() for sk in sks),
@@ -387,8 +389,10 @@ def test_disk_limit_refuses_appends_naming_it_serves_and_resumes(
             timeout=90,
         )
         # The daemon still serves: status, and WAL to a reader.
-        st = status(sks[0])
-        assert lsn_int(st["commit_lsn"]) > 0
+        wait_until(
+            lambda: lsn_int(status(sks[0])["commit_lsn"]) >= 0x1100000,
+            "a committed first segment",
+        )
         recv = tmp_path / "recv"
         recv.mkdir()
         out = receivewal(sks[0], recv, "--slot", "s1", "--endpos", before("0/1100000"))
