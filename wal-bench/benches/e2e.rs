@@ -13,8 +13,8 @@
 //!   with one safekeeper, over plain TCP and over TLS (rustls, `--sslmode require`), in the
 //!   same run: the ratio is what TLS costs ingest.
 //! - `e2e_backup/backup={off,on}/size=131072`: 3 safekeepers, 128 KiB pipelined, without and
-//!   with `--remote-storage file://` (backup of complete segments beside the data directory),
-//!   in the same run: the ratio is what WAL backup costs ingest.
+//!   with `--remote-storage file://` (backup of complete segments beside the data directory, or
+//!   under `$WAL_BENCH_BACKUP_DIR`), in the same run: the ratio is what WAL backup costs ingest.
 //! - `e2e_connect/{plain,tls,jwt,tls+jwt}`: connection set-up: TCP connect, TLS handshake,
 //!   startup and authentication (a JWT checked against an Ed25519 key) until ReadyForQuery.
 //!   Throughput: connections.
@@ -137,7 +137,14 @@ struct Daemon {
     task: JoinHandle<anyhow::Result<()>>,
 }
 
-async fn start_daemon(datadir: &Path, id: u64, sec: Security, secrets: &Secrets) -> Daemon {
+/// `store`: the `file://` remote storage the run's nodes share (with `sec.backup`).
+async fn start_daemon(
+    datadir: &Path,
+    id: u64,
+    sec: Security,
+    secrets: &Secrets,
+    store: Option<&Path>,
+) -> Daemon {
     let mut conf = Conf::for_tests(datadir.to_path_buf());
     conf.id = id;
     if sec.tls {
@@ -147,8 +154,8 @@ async fn start_daemon(datadir: &Path, id: u64, sec: Security, secrets: &Secrets)
     if sec.jwt {
         conf.auth_public_key_path = Some(secrets.jwt_public.clone());
     }
-    if sec.backup {
-        conf.remote_storage = Some(format!("file://{}/remote", datadir.display()));
+    if let Some(store) = store {
+        conf.remote_storage = Some(format!("file://{}", store.display()));
     }
     let listeners = daemon::bind(&conf).await.expect("bind");
     let addr = SafekeeperAddr {
@@ -178,10 +185,21 @@ fn run_once(
     secrets: &Secrets,
 ) -> Duration {
     let dirs: Vec<_> = (0..n).map(|_| temp_dir().expect("bench dir")).collect();
+    // One store shared by the nodes, as in a deployment: each segment is uploaded once and
+    // verified by the others. `WAL_BENCH_BACKUP_DIR` puts it elsewhere (e.g. /dev/shm: what an
+    // object store on another machine costs this one, without a second local write of every
+    // byte on the WAL's disk).
+    let store = sec
+        .backup
+        .then(|| match std::env::var_os("WAL_BENCH_BACKUP_DIR") {
+            Some(d) => tempfile::tempdir_in(d).expect("bench store dir"),
+            None => temp_dir().expect("bench store dir"),
+        });
     rt.block_on(async {
         let mut daemons = Vec::new();
         for (i, d) in dirs.iter().enumerate() {
-            daemons.push(start_daemon(d.path(), i as u64 + 1, sec, secrets).await);
+            let store = store.as_ref().map(|s| s.path());
+            daemons.push(start_daemon(d.path(), i as u64 + 1, sec, secrets, store).await);
         }
         let cfg = ProposerConfig {
             safekeepers: daemons.iter().map(|d| d.addr.clone()).collect(),
@@ -360,7 +378,7 @@ fn e2e(c: &mut Criterion) {
         ),
     ] {
         let dir = temp_dir().expect("bench dir");
-        let d = rt.block_on(start_daemon(dir.path(), 1, sec, secrets));
+        let d = rt.block_on(start_daemon(dir.path(), 1, sec, secrets, None));
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 rt.block_on(async {
