@@ -515,7 +515,10 @@ fn finishing_streams_end_with_the_final_truncate_lsn() {
         t.sent_to(sk);
     }
     t.step(Event::Finishing);
-    assert!(t.core.caught_up(0), "sent all WAL, the commit and the horizon");
+    assert!(
+        t.core.caught_up(0),
+        "sent all WAL, the commit and the horizon"
+    );
     // Safekeeper 2's acknowledgement moves the horizon: 0 and 1 are behind on it again, and are
     // sent an empty append carrying it.
     t.recv(2, ack(1, end, 0));
