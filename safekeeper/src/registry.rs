@@ -31,6 +31,7 @@ use sk_core::types::{NodeId, TenantId, TenantTimelineId};
 
 use crate::control_file::{CONTROL_FILE_NAME, FileControlStore};
 use crate::timeline::{Timeline, TimelineError};
+use crate::wal_store::OpenFiles;
 
 /// How often the timeline manager looks for in-memory state to persist.
 const MANAGER_TICK: Duration = Duration::from_millis(300);
@@ -65,6 +66,8 @@ pub struct GlobalTimelines {
     datadir: PathBuf,
     node_id: NodeId,
     no_sync: bool,
+    /// The LRU of open segment files every timeline's WAL store joins.
+    open_files: OpenFiles,
     map: Mutex<HashMap<TenantTimelineId, Arc<Timeline>>>,
     /// Serializes creations and deletions (a blocking section: directory creation and fsyncs).
     create_lock: Mutex<()>,
@@ -83,14 +86,26 @@ impl GlobalTimelines {
         GlobalTimelines::load_in(Fs::real(), datadir, node_id, no_sync)
     }
 
-    /// Loads every timeline under `datadir` on `fs`. Any timeline that fails verification (a
-    /// corrupt control file, WAL ending below its commit LSN) stops start-up: serving on would
-    /// risk acknowledged data.
+    /// Loads every timeline under `datadir` on `fs`, with the default cap on open segment
+    /// files (see [`GlobalTimelines::load_in_with`]).
     pub fn load_in(
         fs: Fs,
         datadir: &Path,
         node_id: NodeId,
         no_sync: bool,
+    ) -> Result<GlobalTimelines, TimelineError> {
+        GlobalTimelines::load_in_with(fs, datadir, node_id, no_sync, OpenFiles::default())
+    }
+
+    /// Loads every timeline under `datadir` on `fs`; their segment files share the LRU
+    /// `open_files`. Any timeline that fails verification (a corrupt control file, WAL ending
+    /// below its commit LSN) stops start-up: serving on would risk acknowledged data.
+    pub fn load_in_with(
+        fs: Fs,
+        datadir: &Path,
+        node_id: NodeId,
+        no_sync: bool,
+        open_files: OpenFiles,
     ) -> Result<GlobalTimelines, TimelineError> {
         let tmp = datadir.join(TMP_DIR);
         if fs.exists(&tmp) {
@@ -136,7 +151,7 @@ impl GlobalTimelines {
                     timeline_id = %timeline_name
                 )
                 .entered();
-                let tl = Timeline::open(&fs, &dir, node_id, no_sync)?;
+                let tl = Timeline::open(&fs, &dir, node_id, no_sync, &open_files)?;
                 tracing::info!(positions = ?tl.positions(), "timeline loaded");
                 map.insert(tl.ttid, Arc::new(tl));
             }
@@ -146,6 +161,7 @@ impl GlobalTimelines {
             datadir: datadir.to_path_buf(),
             node_id,
             no_sync,
+            open_files,
             map: Mutex::new(map),
             create_lock: Mutex::new(()),
             tombstones: Mutex::new(tombstones),
@@ -259,6 +275,11 @@ impl GlobalTimelines {
         &self.fs
     }
 
+    /// The LRU of open segment files shared by the timelines.
+    pub fn open_files(&self) -> &OpenFiles {
+        &self.open_files
+    }
+
     /// Whether fsyncs are skipped (`--no-sync`, tests only).
     pub fn no_sync(&self) -> bool {
         self.no_sync
@@ -299,7 +320,13 @@ impl GlobalTimelines {
         for name in [ttid.tenant_id.to_string(), timeline_tombstone(&ttid)] {
             self.clear_tombstone(&name)?;
         }
-        let tl = Arc::new(Timeline::open(fs, &dir, self.node_id, self.no_sync)?);
+        let tl = Arc::new(Timeline::open(
+            fs,
+            &dir,
+            self.node_id,
+            self.no_sync,
+            &self.open_files,
+        )?);
         if tl.positions().flush_lsn != flush {
             return Err(TimelineError::BadRequest(format!(
                 "the pulled timeline opened with its WAL ending at {}, the snapshot said {flush}",
@@ -449,7 +476,7 @@ impl GlobalTimelines {
             fsync_dir(fs, &tmp);
         }
         let dir = self.rename_into_place(&tmp, ttid)?;
-        Timeline::open(fs, &dir, self.node_id, self.no_sync)
+        Timeline::open(fs, &dir, self.node_id, self.no_sync, &self.open_files)
     }
 
     /// Renames the complete timeline directory `tmp` to `ttid`'s place (creating its tenant
