@@ -346,7 +346,7 @@ fn open_files_limit() -> Option<(u64, u64)> {
     };
     // SAFETY: getrlimit writes one `rlimit` through a valid pointer to a local.
     let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
-    (rc == 0).then_some((lim.rlim_cur as u64, lim.rlim_max as u64))
+    (rc == 0).then_some((lim.rlim_cur, lim.rlim_max))
 }
 
 /// Raises the soft limit on open files to the hard one, as PostgreSQL and most daemons do
@@ -362,8 +362,8 @@ fn raise_open_files_limit() {
         return;
     }
     let lim = libc::rlimit {
-        rlim_cur: hard as libc::rlim_t,
-        rlim_max: hard as libc::rlim_t,
+        rlim_cur: hard,
+        rlim_max: hard,
     };
     // SAFETY: setrlimit reads one `rlimit` through a valid pointer to a local.
     if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } == 0 {
