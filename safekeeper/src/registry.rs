@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -122,7 +123,8 @@ impl GlobalTimelines {
                 }
             }
         }
-        let mut map = HashMap::new();
+        // (tenant, timeline, directory) of every timeline to open.
+        let mut to_open = Vec::new();
         for tenant in list_dir_sorted(&fs, datadir)? {
             let Some(name) = tenant.file_name().and_then(|n| n.to_str()) else {
                 continue;
@@ -145,16 +147,12 @@ impl GlobalTimelines {
                     remove_durably(&fs, datadir, &dir, no_sync)?;
                     continue;
                 }
-                let _span = tracing::info_span!(
-                    "timeline",
-                    tenant_id = %name,
-                    timeline_id = %timeline_name
-                )
-                .entered();
-                let tl = Timeline::open(&fs, &dir, node_id, no_sync, &open_files)?;
-                tracing::info!(positions = ?tl.positions(), "timeline loaded");
-                map.insert(tl.ttid, Arc::new(tl));
+                to_open.push((name.to_string(), timeline_name.to_string(), dir.clone()));
             }
+        }
+        let mut map = HashMap::new();
+        for tl in open_all(&fs, &to_open, node_id, no_sync, &open_files)? {
+            map.insert(tl.ttid, Arc::new(tl));
         }
         Ok(GlobalTimelines {
             fs,
@@ -540,6 +538,55 @@ impl GlobalTimelines {
                 tracing::error!("timeline manager task failed: {e}");
             }
         }
+    }
+}
+
+/// Timelines opened at once at start-up. Opening one fsyncs its control file and recovered WAL;
+/// fsyncs in flight together share the disk's cache flushes (one flush covers all the waiting
+/// ones), so 10,000 timelines load in seconds rather than the minutes one at a time takes.
+const LOAD_THREADS: usize = 32;
+
+/// Opens the timelines of `dirs` (tenant and timeline names, directory) on up to
+/// [`LOAD_THREADS`] threads. The first failure stops the others and is returned.
+fn open_all(
+    fs: &Fs,
+    dirs: &[(String, String, PathBuf)],
+    node_id: NodeId,
+    no_sync: bool,
+    open_files: &OpenFiles,
+) -> Result<Vec<Timeline>, TimelineError> {
+    let next = AtomicUsize::new(0);
+    let opened = Mutex::new(Vec::with_capacity(dirs.len()));
+    let failed: Mutex<Option<TimelineError>> = Mutex::new(None);
+    let open_next = || {
+        while failed.lock().expect("load error lock").is_none() {
+            let Some((tenant, timeline, dir)) = dirs.get(next.fetch_add(1, Ordering::Relaxed))
+            else {
+                return;
+            };
+            let _span =
+                tracing::info_span!("timeline", tenant_id = %tenant, timeline_id = %timeline)
+                    .entered();
+            match Timeline::open(fs, dir, node_id, no_sync, open_files) {
+                Ok(tl) => {
+                    tracing::info!(positions = ?tl.positions(), "timeline loaded");
+                    opened.lock().expect("loaded timelines lock").push(tl);
+                }
+                Err(e) => {
+                    failed.lock().expect("load error lock").get_or_insert(e);
+                }
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..LOAD_THREADS.min(dirs.len()) {
+            s.spawn(open_next);
+        }
+        open_next();
+    });
+    match failed.into_inner().expect("load error lock") {
+        Some(e) => Err(e),
+        None => Ok(opened.into_inner().expect("loaded timelines lock")),
     }
 }
 
