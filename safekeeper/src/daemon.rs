@@ -57,6 +57,11 @@ pub fn main(hooks: TestHooks) {
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("safekeeper-worker")
+        // Each proposer connection's WAL acceptor holds a blocking thread for its life (it
+        // waits on its queue in `blocking_recv`). With tokio's default cap of 512 blocking
+        // threads, the 512th connected proposer's acceptor, and every blocking task after it
+        // (timeline creation for a greeting, control-file persists), waited forever.
+        .max_blocking_threads(conf.max_connections + BLOCKING_THREADS_BESIDES_ACCEPTORS)
         .build()
         .map_err(anyhow::Error::from)
         .and_then(|runtime| {
@@ -71,6 +76,9 @@ pub fn main(hooks: TestHooks) {
         std::process::exit(1);
     }
 }
+
+/// Blocking threads for everything but the WAL acceptors (tokio's default cap in all).
+const BLOCKING_THREADS_BESIDES_ACCEPTORS: usize = 512;
 
 /// Name of the lock file inside the data directory.
 pub const LOCK_FILE: &str = "safekeeper.lock";
