@@ -87,6 +87,14 @@ pub struct Conf {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub http_max_concurrent_requests: usize,
 
+    /// Most WAL segment files held open for writing, over all timelines: the least recently
+    /// written ones are closed (fsynced first if they hold unsynced WAL) and opened again on
+    /// their next write. Default: 512, or half the open-files limit (`ulimit -n`, raised to its
+    /// hard limit at start) if that is lower.
+    #[arg(long, env = "SAFEKEEPER_MAX_OPEN_SEGMENT_FILES",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_open_segment_files: Option<usize>,
+
     /// Skip every fsync. Only for tests and benchmarks: a crash can lose acknowledged WAL.
     #[arg(long, env = "SAFEKEEPER_NO_SYNC")]
     pub no_sync: bool,
@@ -203,6 +211,7 @@ impl Conf {
             allow_no_auth: false,
             auth_ops_routes: false,
             max_connections: 256,
+            max_open_segment_files: None,
             pg_idle_timeout: Duration::from_secs(600),
             handshake_timeout: Duration::from_secs(30),
             http_max_concurrent_requests: 128,

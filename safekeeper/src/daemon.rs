@@ -23,8 +23,10 @@ use crate::config::{Conf, read_secret_file};
 use crate::registry::{GlobalTimelines, TimelineCollector};
 use crate::tls::TlsConfig;
 use crate::wal_service::WalServiceConf;
+use crate::wal_store::{DEFAULT_MAX_OPEN_SEGMENT_FILES, OpenFiles};
 use crate::{http, wal_service};
 use pq_proto::server::ServerConfig;
+use sk_core::storage::fs::Fs;
 
 /// Whether a binary serves the test-only HTTP routes (failpoints, debug memory). Only the
 /// `safekeeper-testing` binary, built with the `testing` feature, passes [`TestHooks::On`].
@@ -43,6 +45,7 @@ pub fn main(hooks: TestHooks) {
     let mut conf = Conf::parse();
     conf.test_hooks = hooks == TestHooks::On;
     crate::logging::init(conf.log_format);
+    raise_open_files_limit();
     if conf.test_hooks {
         tracing::warn!(
             "test build: PUT /v1/failpoints and /v1/debug/* are served; never run this binary \
@@ -54,6 +57,11 @@ pub fn main(hooks: TestHooks) {
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("safekeeper-worker")
+        // Each proposer connection's WAL acceptor holds a blocking thread for its life (it
+        // waits on its queue in `blocking_recv`). With tokio's default cap of 512 blocking
+        // threads, the 512th connected proposer's acceptor, and every blocking task after it
+        // (timeline creation for a greeting, control-file persists), waited forever.
+        .max_blocking_threads(conf.max_connections + BLOCKING_THREADS_BESIDES_ACCEPTORS)
         .build()
         .map_err(anyhow::Error::from)
         .and_then(|runtime| {
@@ -68,6 +76,9 @@ pub fn main(hooks: TestHooks) {
         std::process::exit(1);
     }
 }
+
+/// Blocking threads for everything but the WAL acceptors (tokio's default cap in all).
+const BLOCKING_THREADS_BESIDES_ACCEPTORS: usize = 512;
 
 /// Name of the lock file inside the data directory.
 pub const LOCK_FILE: &str = "safekeeper.lock";
@@ -204,12 +215,21 @@ pub async fn run(
         auth: auth.clone(),
         tls: tls.clone(),
     };
+    let open_files = OpenFiles::new(
+        conf.max_open_segment_files
+            .unwrap_or_else(default_max_open_segment_files),
+    );
+    let started = Instant::now();
     let timelines = {
         let (datadir, node_id, no_sync) = (conf.datadir.clone(), conf.node_id(), conf.no_sync);
-        tokio::task::spawn_blocking(move || GlobalTimelines::load(&datadir, node_id, no_sync))
-            .await
-            .context("loading timelines")??
+        let open_files = open_files.clone();
+        tokio::task::spawn_blocking(move || {
+            GlobalTimelines::load_in_with(Fs::real(), &datadir, node_id, no_sync, open_files)
+        })
+        .await
+        .context("loading timelines")??
     };
+    let load_time = started.elapsed();
     let timelines = Arc::new(timelines);
     profiling::register_metrics();
     crate::metrics::register();
@@ -220,6 +240,8 @@ pub async fn run(
         http = %listeners.http_addr(),
         pg = %listeners.pg_addr(),
         timelines = timelines.all().len(),
+        load_seconds = load_time.as_secs_f64(),
+        max_open_segment_files = open_files.cap(),
         no_sync = conf.no_sync,
         "safekeeper started"
     );
@@ -333,6 +355,53 @@ pub async fn run(
     }
     tracing::info!(lock = %lock.path().display(), "safekeeper stopped");
     Ok(())
+}
+
+/// The soft and hard `RLIMIT_NOFILE`, or `None` if they cannot be read.
+fn open_files_limit() -> Option<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` through a valid pointer to a local.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    (rc == 0).then_some((lim.rlim_cur, lim.rlim_max))
+}
+
+/// Raises the soft limit on open files to the hard one, as PostgreSQL and most daemons do
+/// (connections and segment files need descriptors; the soft default is often 1024), and logs
+/// both. A failure only leaves the limit as it was.
+fn raise_open_files_limit() {
+    let Some((soft, hard)) = open_files_limit() else {
+        tracing::warn!("could not read the open files limit (RLIMIT_NOFILE)");
+        return;
+    };
+    if soft >= hard {
+        tracing::info!(soft, hard, "open files limit (RLIMIT_NOFILE)");
+        return;
+    }
+    let lim = libc::rlimit {
+        rlim_cur: hard,
+        rlim_max: hard,
+    };
+    // SAFETY: setrlimit reads one `rlimit` through a valid pointer to a local.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } == 0 {
+        tracing::info!(
+            from = soft,
+            to = hard,
+            "open files limit (RLIMIT_NOFILE) raised to the hard limit"
+        );
+    } else {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!(soft, hard, "raising the open files limit failed: {e}");
+    }
+}
+
+/// `--max-open-segment-files` when not given: [`DEFAULT_MAX_OPEN_SEGMENT_FILES`], or half the
+/// open files limit if that is lower (the other half for connections, readers and start-up).
+fn default_max_open_segment_files() -> usize {
+    let half = open_files_limit().map_or(u64::MAX, |(soft, _)| soft / 2);
+    (DEFAULT_MAX_OPEN_SEGMENT_FILES as u64).min(half).max(1) as usize
 }
 
 /// Reloads the JWT keys on every SIGHUP until `cancel` (a failed reload keeps the old keys).

@@ -211,6 +211,23 @@ pub static RECOVERY_ACTIVE: LazyLock<IntGauge> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_open_segment_files`: WAL segment files held open for writing (at most
+/// `--max-open-segment-files`; idle timelines' files are closed first).
+pub static OPEN_SEGMENT_FILES: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge(
+        "safekeeper_open_segment_files",
+        "WAL segment files held open for writing (capped by --max-open-segment-files)",
+    )
+});
+
+/// `safekeeper_segment_file_evictions_total`: segment files closed to stay under the cap.
+pub static SEGMENT_FILE_EVICTIONS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_segment_file_evictions_total",
+        "WAL segment files closed (fsynced first if written) to stay under --max-open-segment-files",
+    )
+});
+
 /// Forces registration of every metric so `/metrics` shows them before first use.
 pub fn register() {
     LazyLock::force(&WAL_WRITTEN_BYTES);
@@ -230,4 +247,6 @@ pub fn register() {
     LazyLock::force(&WAL_REMOVED_SEGMENTS);
     LazyLock::force(&RECOVERY_BYTES);
     LazyLock::force(&RECOVERY_ACTIVE);
+    LazyLock::force(&OPEN_SEGMENT_FILES);
+    LazyLock::force(&SEGMENT_FILE_EVICTIONS);
 }

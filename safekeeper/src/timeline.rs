@@ -27,7 +27,7 @@ use crate::control_file::FileControlStore;
 use crate::recovery::{LocalView, RecoveryStatus};
 use crate::remove_wal::{HorizonInputs, ReadHold, ReadHolds, removal_horizon};
 use crate::wal_backup::RemoteStorage;
-use crate::wal_store::{WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
+use crate::wal_store::{OpenFiles, WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
 
 /// Segments are prepared (zero-filled off the ingest path) for timelines whose WAL arrives
 /// slower than this: there commits wait on each `fdatasync`, which is ~25% faster into written
@@ -166,12 +166,13 @@ pub struct Timeline {
 impl Timeline {
     /// Opens an existing timeline directory on `fs`: loads and verifies the control file,
     /// recovers the end of WAL from its `commit_lsn` (refusing a WAL that ends below it) and
-    /// verifies the committed WAL below it.
+    /// verifies the committed WAL below it. Its segment file joins the node's LRU `open_files`.
     pub fn open(
         fs: &Fs,
         dir: &Path,
         node_id: NodeId,
         no_sync: bool,
+        open_files: &OpenFiles,
     ) -> Result<Timeline, TimelineError> {
         let control = FileControlStore::load_in(fs.clone(), dir, no_sync)?;
         let seg_size = control.server.wal_seg_size as u64;
@@ -187,6 +188,7 @@ impl Timeline {
                 prepare_below_rate: PREPARE_SEGMENTS_BELOW_RATE,
                 fs: fs.clone(),
                 background: Default::default(),
+                open_files: open_files.clone(),
             },
         )?;
         let ttid = TenantTimelineId {

@@ -15,6 +15,8 @@
 //!
 //! The store (this file) is split by role into:
 //! - [`segment`]: segment names, opening, creating blank full-size segments;
+//! - [`open_files`]: the LRU of open segment files shared by every timeline's store (a cap
+//!   on descriptors: idle timelines' segments are fsynced if needed and closed);
 //! - [`recovery`]: the end of WAL at start-up and verification of the committed WAL;
 //! - [`reader`]: reading WAL back for walsenders;
 //! - [`prepare`]: preparing the next segment in the background, on an injected clock and runner.
@@ -26,6 +28,7 @@
 // Storage: no `unwrap()` outside tests (see sk_core).
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod open_files;
 pub mod prepare;
 pub mod reader;
 pub mod recovery;
@@ -42,6 +45,8 @@ use sk_core::storage::fs::{FileHandle, Fs, SyncKind};
 use sk_core::storage::{Error, Result, WalStore};
 use sk_core::types::Lsn;
 
+pub use open_files::{DEFAULT_MAX_OPEN_SEGMENT_FILES, OpenFiles};
+use open_files::{OpenSegment, Slot};
 use prepare::Preparer;
 pub use prepare::{Background, Inline, PREPARED_SEGMENT_NAME, Runner, Threads};
 pub use reader::{MAX_READ_LEN, WalReader};
@@ -79,6 +84,9 @@ pub struct WalFileOptions {
     /// Where background preparations run and the clock that measures the fill rate (real
     /// threads and clock by default).
     pub background: Background,
+    /// The LRU of open segment files this store's file joins (shared by the stores of a node;
+    /// by default one of its own, of [`DEFAULT_MAX_OPEN_SEGMENT_FILES`]).
+    pub open_files: OpenFiles,
 }
 
 /// Pieces of appends smaller than this are gathered in memory and written with one `pwrite`
@@ -87,14 +95,6 @@ pub struct WalFileOptions {
 const COALESCE_BELOW: usize = 64 * 1024;
 /// Most bytes gathered before they are written out.
 const COALESCE_MAX: usize = 512 * 1024;
-
-/// The segment file currently open for writing.
-#[derive(Debug)]
-struct OpenSegment {
-    segno: u64,
-    path: PathBuf,
-    file: SegmentFile,
-}
 
 /// WAL of one timeline in segment files.
 #[derive(Debug)]
@@ -114,8 +114,9 @@ pub struct WalFileStore {
     flush_record_lsn: Lsn,
     /// Fed every written byte; positioned at `write_lsn`.
     decoder: WalStreamDecoder,
-    /// The `.partial` segment holding `write_lsn`, if open.
-    file: Option<OpenSegment>,
+    /// The `.partial` segment holding `write_lsn`, if open (the LRU of [`OpenFiles`] may close
+    /// it, after an fsync if it has unsynced writes).
+    file: Slot,
     /// Accepted (decoded, counted in `write_lsn`) but not yet written to the OS: the bytes just
     /// before `write_lsn`, never across a segment end. Written out before any fsync, truncation
     /// or larger write, so durability is unchanged; readers only read up to `flush_lsn`.
@@ -180,6 +181,7 @@ impl WalFileStore {
         };
         tracing::info!(dir = %dir.display(), %commit_lsn, end_of_wal = %end, "WAL store opened");
         let prep = Preparer::new(&dir, seg_size, &opts);
+        let file = opts.open_files.slot(opts.no_sync);
         Ok(WalFileStore {
             decoder: WalStreamDecoder::new(end, seg_size),
             dir,
@@ -189,7 +191,7 @@ impl WalFileStore {
             write_record_lsn: end,
             flush_byte_lsn: end,
             flush_record_lsn: end,
-            file: None,
+            file,
             pending: Vec::new(),
             pending_truncation: true,
             prep,
@@ -309,26 +311,42 @@ impl WalFileStore {
         }
     }
 
-    /// The open `.partial` file of segment `segno`, creating the segment if needed.
-    fn segment_for_write(&mut self, segno: u64) -> Result<&OpenSegment> {
-        if self.file.as_ref().is_some_and(|s| s.segno != segno) {
-            self.file = None;
-        }
-        if self.file.is_none() {
-            let (file, path) = match open_segment(&self.opts.fs, &self.dir, segno, self.seg_size)? {
-                Some((file, path, true)) => (file, path),
-                Some((file, full, false)) => {
-                    // A completed segment is being rewritten (only after a truncation that
-                    // crashed before renaming it): it is the current one again.
-                    let path = segment_path(&self.dir, segno, self.seg_size, true);
-                    durable_rename(&self.opts.fs, &full, &path, &self.dir, self.opts.no_sync)?;
-                    (file, path)
-                }
-                None => self.new_segment(segno)?,
+    /// Runs `f` on the open `.partial` file of segment `segno`, opening it (or creating the
+    /// segment) if needed.
+    fn with_segment<R>(
+        &mut self,
+        segno: u64,
+        mut f: impl FnOnce(&mut OpenSegment) -> Result<R>,
+    ) -> Result<R> {
+        loop {
+            f = match self.file.try_with(segno, f) {
+                Ok(r) => return r,
+                Err(f) => f,
             };
-            self.file = Some(OpenSegment { segno, path, file });
+            let seg = self.open_for_write(segno)?;
+            self.file.install(seg);
         }
-        Ok(self.file.as_ref().expect("opened above"))
+    }
+
+    /// Opens segment `segno` for writing under its `.partial` name, creating it if needed.
+    fn open_for_write(&mut self, segno: u64) -> Result<OpenSegment> {
+        let (file, path) = match open_segment(&self.opts.fs, &self.dir, segno, self.seg_size)? {
+            Some((file, path, true)) => (file, path),
+            Some((file, full, false)) => {
+                // A completed segment is being rewritten (only after a truncation that
+                // crashed before renaming it): it is the current one again.
+                let path = segment_path(&self.dir, segno, self.seg_size, true);
+                durable_rename(&self.opts.fs, &full, &path, &self.dir, self.opts.no_sync)?;
+                (file, path)
+            }
+            None => self.new_segment(segno)?,
+        };
+        Ok(OpenSegment {
+            segno,
+            path,
+            file,
+            dirty: false,
+        })
     }
 
     /// Creates segment `segno`: the prepared one renamed in if it is ready, else a new sparse
@@ -352,7 +370,8 @@ impl WalFileStore {
         let segno = start.segment_number(self.seg_size);
         let off = start.segment_offset(self.seg_size);
         let pending = std::mem::take(&mut self.pending);
-        let written = self.segment_for_write(segno).and_then(|seg| {
+        let written = self.with_segment(segno, |seg| {
+            seg.dirty = true;
             seg.file
                 .write_all_at(&pending, off)
                 .map_err(|e| Error::io(format!("writing {} at {start}", seg.path.display()), e))
@@ -367,17 +386,21 @@ impl WalFileStore {
     /// The write reached the end of segment `segno`: make it durable and give it its final name.
     fn complete_segment(&mut self, segno: u64) -> Result<()> {
         debug_assert!(self.pending.is_empty(), "pending bytes at a segment end");
-        let seg = match self.file.take() {
-            Some(seg) if seg.segno == segno => seg,
-            _ => unreachable_segment(segno)?,
+        let (file, path) = match self.file.take() {
+            Some(seg) if seg.segno == segno => (seg.file, seg.path),
+            // Evicted since the write (which fsynced it, if written): opened again to sync.
+            _ => match open_segment(&self.opts.fs, &self.dir, segno, self.seg_size)? {
+                Some((file, path, true)) => (file, path),
+                _ => return Err(unreachable_segment(segno)),
+            },
         };
         // The segment is durable before it is renamed to its final name. The rename itself is
         // not fsynced: recovery and truncation look for both names.
-        self.sync(&*seg.file, &seg.path, SyncKind::Data);
+        self.sync(&*file, &path, SyncKind::Data);
         let full = segment_path(&self.dir, segno, self.seg_size, false);
-        self.opts.fs.rename(&seg.path, &full).map_err(|e| {
+        self.opts.fs.rename(&path, &full).map_err(|e| {
             Error::io(
-                format!("renaming {} to {}", seg.path.display(), full.display()),
+                format!("renaming {} to {}", path.display(), full.display()),
                 e,
             )
         })?;
@@ -388,10 +411,10 @@ impl WalFileStore {
 }
 
 /// Local invariant breach in `complete_segment` turned into an error rather than a panic.
-fn unreachable_segment(segno: u64) -> Result<OpenSegment> {
-    Err(Error::Rejected(format!(
-        "internal: segment {segno} completed but not open"
-    )))
+fn unreachable_segment(segno: u64) -> Error {
+    Error::Rejected(format!(
+        "internal: segment {segno} completed but its .partial file is missing"
+    ))
 }
 
 impl WalStore for WalFileStore {
@@ -455,13 +478,15 @@ impl WalStore for WalFileStore {
                 }
                 // The segment exists as soon as WAL is accepted into it (creation errors, such
                 // as a full disk, surface at this append), only the pwrite is deferred.
-                self.segment_for_write(segno)?;
+                self.with_segment(segno, |_| Ok(()))?;
                 self.pending.extend_from_slice(piece);
             } else {
                 self.write_out_pending()?;
-                let seg = self.segment_for_write(segno)?;
-                seg.file.write_all_at(piece, off).map_err(|e| {
-                    Error::io(format!("writing {} at {pos}", seg.path.display()), e)
+                self.with_segment(segno, |seg| {
+                    seg.dirty = true;
+                    seg.file.write_all_at(piece, off).map_err(|e| {
+                        Error::io(format!("writing {} at {pos}", seg.path.display()), e)
+                    })
                 })?;
             }
             self.decoder = decoder;
@@ -501,7 +526,8 @@ impl WalStore for WalFileStore {
         self.flush_byte_lsn = end;
         self.flush_record_lsn = end;
         self.decoder = WalStreamDecoder::new(end, self.seg_size);
-        self.file = None;
+        // Closed unsynced: what it holds past `end` is discarded, the rest is synced below.
+        drop(self.file.take());
 
         let end_segno = end.segment_number(self.seg_size);
         let end_off = end.segment_offset(self.seg_size);
@@ -562,10 +588,18 @@ impl WalStore for WalFileStore {
             return Ok(());
         }
         self.write_out_pending()?;
-        match &self.file {
-            Some(seg) => self.sync(&*seg.file, &seg.path, SyncKind::Data),
+        let no_sync = self.opts.no_sync;
+        let synced = self.file.with_open(|seg| {
+            if !no_sync {
+                fsync_or_abort(&*seg.file, &seg.path, SyncKind::Data);
+            }
+            seg.dirty = false;
+        });
+        match synced {
+            Some(()) => {}
             None => {
-                // Not open (e.g. after an I/O error): sync the segment holding the last byte.
+                // Not open (evicted, which fsynced it, or after an I/O error): sync the segment
+                // holding the last byte.
                 let last = Lsn(self.write_lsn.0 - 1).segment_number(self.seg_size);
                 if let Some((f, path, _)) =
                     open_segment(&self.opts.fs, &self.dir, last, self.seg_size)?
@@ -589,12 +623,14 @@ impl WalStore for WalFileStore {
         let image = first_segment_image(self.opts.system_id, self.seg_size, init_lsn)
             .map_err(|e| Error::Rejected(e.to_string()))?;
         let segno = init_lsn.segment_number(self.seg_size);
-        let seg = self.segment_for_write(segno)?;
-        // Not fsynced: the truncation that follows syncs the segment, and this is redone if lost.
-        seg.file
-            .write_all_at(&image, 0)
-            .map_err(|e| Error::io(format!("writing {}", seg.path.display()), e))?;
-        self.file = None;
+        self.with_segment(segno, |seg| {
+            seg.file
+                .write_all_at(&image, 0)
+                .map_err(|e| Error::io(format!("writing {}", seg.path.display()), e))
+        })?;
+        // Closed unsynced: the truncation that follows syncs the segment, and this is redone if
+        // lost.
+        drop(self.file.take());
         Ok(())
     }
 }
