@@ -21,9 +21,9 @@
 //! XLogData message with the donor's commit LSN. Every rule of `process_msg` holds, writes are
 //! fsynced in batches as a proposer's are, and nothing is acknowledged to anyone.
 //!
-//! A proposer that connects stops the recovery at once (its stream wins); the acceptor
-//! serializes the two in the meantime, and a proposer's higher term makes the acceptor refuse
-//! whatever recovery still queued.
+//! A proposer that connects stops the recovery at once (its stream wins): once it is counted
+//! (before its first message is queued), the acceptor refuses, under its lock, every message
+//! recovery still queued ([`Timeline::process_recovery_msg`]), so the two never interleave.
 //!
 //! Not here: the HTTP and PostgreSQL clients ([`crate::peer`]), the acceptor pipeline
 //! ([`crate::receive_wal`]).
@@ -47,7 +47,7 @@ use tracing::Instrument;
 
 use crate::metrics;
 use crate::peer::{PeerAddr, PeerClient};
-use crate::receive_wal::{Outgoing, REPLY_QUEUE_SIZE, enqueue, spawn_acceptor};
+use crate::receive_wal::{Outgoing, REPLY_QUEUE_SIZE, Source, enqueue, spawn_acceptor};
 use crate::registry::GlobalTimelines;
 use crate::timeline::Timeline;
 
@@ -452,7 +452,7 @@ async fn recover(
         .map_err(|e| format!("{host}:{port}: START_REPLICATION: {e}"))?;
 
     let (reply_tx, mut reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
-    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx);
+    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx, Source::Recovery);
     // The acceptor's replies: its errors end the session; its flush LSNs say what is durable.
     let replies = tokio::spawn(async move {
         let mut error = None;
@@ -626,6 +626,60 @@ mod tests {
             Err(NotADonor::OtherGeneration { .. })
         ));
         assert!(choose_donor(&m, &[voted_only, newer, other_gen]).is_none());
+    }
+
+    /// Recovery messages queued when a proposer connects are refused under the acceptor lock:
+    /// none is applied once the proposer is counted (its stream and recovery's never interleave).
+    #[tokio::test]
+    async fn recovery_messages_are_refused_once_a_proposer_is_counted() {
+        use crate::test_util::{elected_timeline, sim_node};
+        const SEG: u64 = 1 << 20;
+        let (_sim, _fs, timelines) = sim_node();
+        let start = Lsn(SEG);
+        let tl = elected_timeline(&timelines, 3, SEG, start);
+        let mut g = pg_wal::generator::WalGenerator::new(42, SEG, start).unwrap();
+        let mut wal = Vec::new();
+        while wal.len() < 20_000 {
+            g.append_logical_message(&mut wal, &[7; 300]);
+        }
+        let before = tl.positions().flush_lsn;
+        // Recovery's messages are queued, then the proposer connects before they are processed.
+        let (reply_tx, mut reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
+        let (msg_tx, msg_rx) = mpsc::channel(16);
+        let append = |begin: Lsn, piece: &[u8]| {
+            ProposerAcceptorMessage::AppendRequest(AppendRequest {
+                h: AppendRequestHeader {
+                    generation: Generation(0),
+                    term: Term(1),
+                    begin_lsn: begin,
+                    end_lsn: Lsn(begin.0 + piece.len() as u64),
+                    commit_lsn: Lsn::INVALID,
+                    truncate_lsn: Lsn::INVALID,
+                },
+                wal_data: Bytes::copy_from_slice(piece),
+            })
+        };
+        for (i, piece) in wal.chunks(4096).enumerate() {
+            let begin = Lsn(start.0 + (i * 4096) as u64);
+            assert!(enqueue(&msg_tx, append(begin, piece)).await);
+        }
+        drop(msg_tx);
+        let proposer = tl.proposer_guard();
+        let acceptor = crate::receive_wal::spawn_acceptor_on(tl.clone(), msg_rx, reply_tx);
+        acceptor.await.unwrap();
+        let mut refused = None;
+        while let Some(out) = reply_rx.recv().await {
+            if let Outgoing::Error(e) = out {
+                refused.get_or_insert(e.message);
+            }
+        }
+        let refused = refused.expect("recovery's WAL refused");
+        assert!(refused.contains("a proposer is connected"), "{refused}");
+        assert_eq!(tl.positions().flush_lsn, before, "no recovery WAL applied");
+        // Without a proposer, the same message is taken.
+        drop(proposer);
+        tl.process_recovery_msg(&append(start, &wal))
+            .expect("taken with no proposer");
     }
 
     #[test]
