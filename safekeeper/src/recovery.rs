@@ -14,8 +14,12 @@
 //! - its `(last_log_term, flush_lsn)` is beyond this node's.
 //!
 //! The most advanced donor's WAL is fetched with `START_REPLICATION PHYSICAL <lsn> (term='N')`
-//! on its PostgreSQL port and fed through the same acceptor as a proposer's stream
-//! ([`receive_wal::spawn_acceptor`]): first a `ProposerElected` carrying the donor's term
+//! on its PostgreSQL port. That walsender checks only the donor's acceptor term (what a
+//! proposer's own fetch needs), so once the stream is established, and again before the donor's
+//! commit LSN is adopted, the donor's status is read again ([`recheck_donor`]): its term and
+//! newest WAL's term still N, elected in the same generation, its history's entry for N the one
+//! we use, and its `/v1/status` naming the donor's node id. The WAL is fed through the same
+//! acceptor as a proposer's stream ([`receive_wal::spawn_acceptor`]): first a `ProposerElected` carrying the donor's term
 //! history (so `process_msg` truncates a divergent tail of ours at the highest common point,
 //! refuses a start below our commit LSN, and adopts the history), then an `AppendRequest` per
 //! XLogData message with the donor's commit LSN. Every rule of `process_msg` holds, writes are
@@ -374,14 +378,43 @@ fn peer_view(
     })
 }
 
+/// What recovery reads of a peer's `/v1/status`.
+#[derive(Deserialize)]
+struct NodeStatus {
+    id: u64,
+    pg_port: u16,
+}
+
+/// The donor's `/v1/status`, which must name the donor's node id (the HTTP address is that
+/// node). Blocking.
+fn donor_node_status(client: &PeerClient, donor: &PeerView) -> Result<NodeStatus, String> {
+    let mut body = String::new();
+    client
+        .get(&donor.http, "/v1/status")?
+        .take(1 << 16)
+        .read_to_string(&mut body)
+        .map_err(|e| format!("{}: {e}", donor.http))?;
+    let s: NodeStatus =
+        serde_json::from_str(&body).map_err(|e| format!("{}: /v1/status: {e}", donor.http))?;
+    if s.id != donor.id.0 {
+        return Err(format!(
+            "{} is node {}, not the donor {}",
+            donor.http, s.id, donor.id
+        ));
+    }
+    Ok(s)
+}
+
 /// The donor's PostgreSQL address: its entry in our membership configuration, else the host of
-/// its HTTP address and the port its `/v1/status` names. Blocking.
+/// its HTTP address and the port its `/v1/status` names. The HTTP address must be the donor's
+/// node (its `/v1/status` id), so both addresses name the same node. Blocking.
 fn donor_pg_addr(
     tl: &Timeline,
     client: &PeerClient,
     donor: &PeerView,
 ) -> Result<(String, u16, bool), String> {
     let http = PeerAddr::parse(&donor.http)?;
+    let status = donor_node_status(client, donor)?;
     let mconf = tl.status().mconf;
     let member = mconf
         .members
@@ -391,19 +424,54 @@ fn donor_pg_addr(
     if let Some(m) = member {
         return Ok((m.host.clone(), m.pg_port, http.tls));
     }
-    #[derive(Deserialize)]
-    struct NodeStatus {
-        pg_port: u16,
+    Ok((http.host, status.pg_port, http.tls))
+}
+
+/// Whether the donor's status read again (`fresh`) still allows recovering term `term`'s WAL
+/// as the session began it: its term and its newest WAL's term are `term`, its term was
+/// elected in the same generation, and its history's entry for `term` (where term `term`'s
+/// WAL starts) is the one our `ProposerElected` carries.
+pub fn recheck_donor(donor: &PeerView, fresh: &PeerView, term: Term) -> Result<(), String> {
+    if fresh.term != term || fresh.last_log_term() != term {
+        return Err(format!(
+            "the donor moved on: its term is {}, its newest WAL's term {}, ours {term}",
+            fresh.term,
+            fresh.last_log_term()
+        ));
     }
-    let mut body = String::new();
-    client
-        .get(&donor.http, "/v1/status")?
-        .take(1 << 16)
-        .read_to_string(&mut body)
-        .map_err(|e| format!("{}: {e}", donor.http))?;
-    let s: NodeStatus =
-        serde_json::from_str(&body).map_err(|e| format!("{}: /v1/status: {e}", donor.http))?;
-    Ok((http.host, s.pg_port, http.tls))
+    if fresh.elected_generation != donor.elected_generation {
+        return Err(format!(
+            "the donor's term was elected in generation {}, not {}",
+            fresh.elected_generation.0, donor.elected_generation.0
+        ));
+    }
+    let entry = |h: &TermHistory| h.0.iter().find(|e| e.term == term).copied();
+    if entry(&fresh.term_history) != entry(&donor.term_history) {
+        return Err(format!(
+            "the donor's history of term {term} changed: {:?}, was {:?}",
+            entry(&fresh.term_history),
+            entry(&donor.term_history)
+        ));
+    }
+    Ok(())
+}
+
+/// Reads the donor's status again (blocking calls on a blocking thread) and checks it with
+/// [`recheck_donor`] and its node id.
+async fn verify_donor(
+    client: &PeerClient,
+    ttid: sk_core::types::TenantTimelineId,
+    donor: &PeerView,
+    term: Term,
+) -> Result<(), String> {
+    let (client, donor) = (client.clone(), donor.clone());
+    tokio::task::spawn_blocking(move || {
+        donor_node_status(&client, &donor)?;
+        let fresh = peer_view(&client, ttid, donor.id, &donor.http)?;
+        recheck_donor(&donor, &fresh, term)
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// Streams the donor's WAL from our start point up to the donor's flush LSN (as its status
@@ -450,6 +518,11 @@ async fn recover(
         ))
         .await
         .map_err(|e| format!("{host}:{port}: START_REPLICATION: {e}"))?;
+
+    // The stream is served under `(term='N')`, which checks only the donor's acceptor term:
+    // the donor must still hold WAL of term N from its `ProposerElected(N)` on, as when it was
+    // chosen (only that WAL may be recovered).
+    verify_donor(client, tl.ttid, donor, term).await?;
 
     let (reply_tx, mut reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
     let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx, Source::Recovery);
@@ -539,9 +612,12 @@ async fn recover(
             },
             wal_data: Bytes::new(),
         });
-        if !enqueue(&msg_tx, ProposerAcceptorMessage::FlushWAL).await
-            || !enqueue(&msg_tx, commit).await
-        {
+        if !enqueue(&msg_tx, ProposerAcceptorMessage::FlushWAL).await {
+            return Err("the acceptor stopped".into());
+        }
+        // The donor's commit LSN is adopted only if the donor is still what it was.
+        verify_donor(client, tl.ttid, donor, term).await?;
+        if !enqueue(&msg_tx, commit).await {
             return Err("the acceptor stopped".into());
         }
         Ok(())
@@ -680,6 +756,30 @@ mod tests {
         drop(proposer);
         tl.process_recovery_msg(&append(start, &wal))
             .expect("taken with no proposer");
+    }
+
+    #[test]
+    fn a_donor_is_rechecked_against_what_the_session_began_with() {
+        let d = peer(1, 3, &[(1, 100), (3, 500)], 2000);
+        let mut fresh = d.clone();
+        fresh.flush_lsn = Lsn(3000);
+        assert_eq!(recheck_donor(&d, &fresh, Term(3)), Ok(()));
+        // It voted for term 4 since: its term moved on.
+        let mut voted = fresh.clone();
+        voted.term = Term(4);
+        assert!(recheck_donor(&d, &voted, Term(3)).is_err());
+        // Its history's entry for term 3 is not the one our `ProposerElected` carries.
+        let mut moved = fresh.clone();
+        moved.term_history = hist(&[(1, 100), (3, 400)]);
+        assert!(recheck_donor(&d, &moved, Term(3)).is_err());
+        // Newest WAL of an older term (a vote without WAL).
+        let mut older = fresh.clone();
+        older.term_history = hist(&[(1, 100)]);
+        assert!(recheck_donor(&d, &older, Term(3)).is_err());
+        // Elected in another generation.
+        let mut other_gen = fresh;
+        other_gen.elected_generation = Generation(5);
+        assert!(recheck_donor(&d, &other_gen, Term(3)).is_err());
     }
 
     #[test]
