@@ -41,7 +41,8 @@ use pq_proto::client::CopyEvent;
 use pq_proto::replication::ReplicationMessage;
 use serde::{Deserialize, Serialize};
 use sk_core::protocol::{
-    AppendRequest, AppendRequestHeader, ProposerAcceptorMessage, ProposerElected,
+    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
+    ProposerElected,
 };
 use sk_core::types::{Generation, Lsn, NodeId, Term, TermHistory, TermLsn};
 use tokio::sync::mpsc;
@@ -318,6 +319,32 @@ async fn check_and_recover(
     });
 }
 
+/// Reads the acceptor's replies to a recovery session of term `term` until the acceptor exits;
+/// returns why the session failed, if it did, and cancels `stop` then. An error ends the session,
+/// and so does a reply in another term than `term` (our term moved on: the acceptor refuses the
+/// appends with a term-only reply, which is no error to a proposer but is to recovery).
+async fn watch_replies(
+    mut reply_rx: mpsc::Receiver<Outgoing>,
+    term: Term,
+    stop: CancellationToken,
+) -> Option<String> {
+    let mut error = None;
+    while let Some(out) = reply_rx.recv().await {
+        let failed = match out {
+            Outgoing::Error(e) => Some(e.message),
+            Outgoing::Reply(AcceptorProposerMessage::AppendResponse(r)) if r.term != term => {
+                Some(format!("our term moved on to {}", r.term))
+            }
+            Outgoing::Reply(_) => None,
+        };
+        if let Some(why) = failed {
+            error.get_or_insert(why);
+            stop.cancel();
+        }
+    }
+    error
+}
+
 /// The part of a peer's timeline status recovery reads.
 #[derive(Deserialize)]
 struct StatusJson {
@@ -524,18 +551,10 @@ async fn recover(
     // chosen (only that WAL may be recovered).
     verify_donor(client, tl.ttid, donor, term).await?;
 
-    let (reply_tx, mut reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
+    let (reply_tx, reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
     let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx, Source::Recovery);
-    // The acceptor's replies: its errors end the session; its flush LSNs say what is durable.
-    let replies = tokio::spawn(async move {
-        let mut error = None;
-        while let Some(out) = reply_rx.recv().await {
-            if let Outgoing::Error(e) = out {
-                error.get_or_insert(e.message);
-            }
-        }
-        error
-    });
+    let stop = CancellationToken::new();
+    let replies = tokio::spawn(watch_replies(reply_rx, term, stop.clone()));
     let generation = donor.elected_generation;
     let elected = ProposerAcceptorMessage::Elected(ProposerElected {
         generation,
@@ -557,6 +576,7 @@ async fn recover(
                 _ = cancel.cancelled() => return Err("shutting down".into()),
                 _ = tl.deleted().cancelled() => return Err("the timeline was deleted".into()),
                 _ = msg_tx.closed() => return Err("the acceptor stopped".into()),
+                _ = stop.cancelled() => return Err("the acceptor refused the session".into()),
                 e = reader.read() => e.map_err(|e| format!("{host}:{port}: {e}"))?,
             };
             let frame = match event {
@@ -617,7 +637,7 @@ async fn recover(
         }
         // The donor's commit LSN is adopted only if the donor is still what it was.
         verify_donor(client, tl.ttid, donor, term).await?;
-        if !enqueue(&msg_tx, commit).await {
+        if stop.is_cancelled() || !enqueue(&msg_tx, commit).await {
             return Err("the acceptor stopped".into());
         }
         Ok(())
@@ -640,6 +660,7 @@ async fn recover(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sk_core::protocol::AppendResponse;
 
     fn hist(entries: &[(u64, u64)]) -> TermHistory {
         TermHistory::from_pairs(entries)
@@ -780,6 +801,31 @@ mod tests {
         let mut other_gen = fresh;
         other_gen.elected_generation = Generation(5);
         assert!(recheck_donor(&d, &other_gen, Term(3)).is_err());
+    }
+
+    /// A reply in another term than the session's (our term moved on: appends get a term-only
+    /// answer) fails the session and stops it, as an error does; replies in its term do not.
+    #[tokio::test]
+    async fn a_reply_in_another_term_fails_the_session() {
+        let reply = |t: u64| {
+            Outgoing::Reply(AcceptorProposerMessage::AppendResponse(
+                AppendResponse::term_only(Generation(0), Term(t)),
+            ))
+        };
+        let (tx, rx) = mpsc::channel(8);
+        let stop = CancellationToken::new();
+        tx.send(reply(3)).await.unwrap();
+        drop(tx);
+        assert_eq!(watch_replies(rx, Term(3), stop.clone()).await, None);
+        assert!(!stop.is_cancelled());
+
+        let (tx, rx) = mpsc::channel(8);
+        tx.send(reply(3)).await.unwrap();
+        tx.send(reply(4)).await.unwrap();
+        drop(tx);
+        let why = watch_replies(rx, Term(3), stop.clone()).await;
+        assert_eq!(why.as_deref(), Some("our term moved on to 4"));
+        assert!(stop.is_cancelled());
     }
 
     #[test]
