@@ -361,6 +361,19 @@ struct EntryJson {
     lsn: String,
 }
 
+/// The highest LSN a peer may report (an exbibyte of WAL): beyond it, its status is bogus,
+/// and LSN arithmetic on it could overflow.
+pub const MAX_PEER_LSN: Lsn = Lsn(1 << 60);
+
+/// An LSN of a peer's status: valid syntax, at most [`MAX_PEER_LSN`].
+fn peer_lsn(v: &str) -> Result<Lsn, String> {
+    let lsn: Lsn = v.parse().map_err(|e| format!("invalid LSN {v:?}: {e}"))?;
+    if lsn > MAX_PEER_LSN {
+        return Err(format!("LSN {lsn} is beyond {MAX_PEER_LSN}"));
+    }
+    Ok(lsn)
+}
+
 /// Asks peer `id` at `http` for its status of `ttid`. Blocking.
 fn peer_view(
     client: &PeerClient,
@@ -379,7 +392,7 @@ fn peer_view(
         .read_to_string(&mut body)
         .map_err(|e| format!("{http}: {e}"))?;
     let s: StatusJson = serde_json::from_str(&body).map_err(|e| format!("{http}: {e}"))?;
-    let lsn = |v: &str| -> Result<Lsn, String> { v.parse().map_err(|e| format!("{http}: {e}")) };
+    let lsn = |v: &str| -> Result<Lsn, String> { peer_lsn(v).map_err(|e| format!("{http}: {e}")) };
     let term_history = TermHistory(
         s.term_history
             .iter()
@@ -595,8 +608,13 @@ async fn recover(
                     "{host}:{port} sent WAL at {wal_start}, {pos} was expected"
                 ));
             }
-            let end = Lsn(pos.0 + data.len() as u64);
             let len = data.len() as u64;
+            let end = pos
+                .0
+                .checked_add(len)
+                .map(Lsn)
+                .filter(|end| *end <= MAX_PEER_LSN)
+                .ok_or_else(|| format!("{host}:{port} sent WAL past {MAX_PEER_LSN} at {pos}"))?;
             let append = ProposerAcceptorMessage::AppendRequest(AppendRequest {
                 h: AppendRequestHeader {
                     generation,
@@ -826,6 +844,14 @@ mod tests {
         let why = watch_replies(rx, Term(3), stop.clone()).await;
         assert_eq!(why.as_deref(), Some("our term moved on to 4"));
         assert!(stop.is_cancelled());
+    }
+
+    #[test]
+    fn a_peer_lsn_beyond_sane_bounds_is_refused() {
+        assert_eq!(peer_lsn("0/1000000"), Ok(Lsn(1 << 24)));
+        assert!(peer_lsn("FFFFFFFF/FFFFFFFF").is_err());
+        assert!(peer_lsn("10000000/1").is_err());
+        assert!(peer_lsn("not an LSN").is_err());
     }
 
     #[test]
