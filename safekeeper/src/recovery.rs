@@ -3,7 +3,9 @@
 //!
 //! Every second ([`RECOVERY_TICK`]) the driver ([`run`]) looks at each timeline with no proposer
 //! connected and asks its peers (`--peers`, limited to the members of the timeline's membership
-//! configuration once it has one) for their status over HTTP. A peer is a **donor** only if
+//! configuration once it has one) for their status over HTTP, once this node has voted (term
+//! N > 0); after a failed session the timeline waits ([`next_backoff`]: 1 s doubling up to
+//! 30 s) before it is checked again. A peer is a **donor** only if
 //! - its term, and the term of its newest WAL (`last_log_term`), equal this node's term N: it
 //!   holds WAL of the one proposer of term N, from that proposer's `ProposerElected`, and its
 //!   walsender serves it under `(term='N')`. A peer whose term is N but whose newest WAL is of an
@@ -59,6 +61,15 @@ use crate::timeline::Timeline;
 /// How often each timeline is checked for a donor.
 pub const RECOVERY_TICK: Duration = Duration::from_secs(1);
 
+/// The longest wait before a timeline whose recovery sessions keep failing is tried again.
+pub const MAX_RETRY_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The wait after a failed session, given the wait after the one before (zero if it succeeded
+/// or there was none): doubles from [`RECOVERY_TICK`] up to [`MAX_RETRY_BACKOFF`].
+pub fn next_backoff(prev: Duration) -> Duration {
+    (prev * 2).clamp(RECOVERY_TICK, MAX_RETRY_BACKOFF)
+}
+
 /// What `/v1/timelines` shows of a timeline's peer recovery.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RecoveryStatus {
@@ -72,6 +83,12 @@ pub struct RecoveryStatus {
     pub sessions: u64,
     /// Why the last session failed, if it did (cleared by one that succeeds).
     pub last_error: Option<String>,
+    /// The wait after the last failed session ([`next_backoff`]; zero after a success).
+    #[serde(skip)]
+    pub backoff: Duration,
+    /// No check of this timeline before then (set after a failed session).
+    #[serde(skip)]
+    pub retry_at: Option<Instant>,
 }
 
 /// This node's side of the comparison, read under the acceptor lock.
@@ -123,6 +140,8 @@ impl PeerView {
 /// Why a peer is not a donor (logged at debug level; shown in the tests).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NotADonor {
+    /// We have voted in no term yet: there is no term N to recover WAL of.
+    NoTerm,
     /// Not ahead of us.
     NotAhead,
     /// Its term or its newest WAL's term is not our term.
@@ -145,6 +164,9 @@ pub enum NotADonor {
 
 /// Whether `peer` may give `me` WAL (the module's donor rules).
 pub fn check_donor(me: &LocalView, peer: &PeerView) -> Result<(), NotADonor> {
+    if me.term == Term(0) {
+        return Err(NotADonor::NoTerm);
+    }
     if (peer.last_log_term(), peer.flush_lsn) <= (me.last_log_term(), me.flush_lsn) {
         return Err(NotADonor::NotAhead);
     }
@@ -250,6 +272,11 @@ async fn check_and_recover(
     client: &PeerClient,
     cancel: &CancellationToken,
 ) {
+    let mut retry_at = None;
+    tl.update_recovery(|r| retry_at = r.retry_at);
+    if retry_at.is_some_and(|t| Instant::now() < t) {
+        return; // backing off after a failed session
+    }
     let mconf = tl.status().mconf;
     if mconf.generation.0 > 0 && !mconf.contains(tl.node_id()) {
         return; // not a member: takes no part
@@ -260,8 +287,8 @@ async fn check_and_recover(
         .cloned()
         .collect();
     let me = tl.recovery_view();
-    if asked.is_empty() {
-        return;
+    if asked.is_empty() || me.term == Term(0) {
+        return; // no peer to ask, or no term N to recover WAL of
     }
     let views = {
         let (client, ttid) = (client.clone(), tl.ttid);
@@ -315,6 +342,13 @@ async fn check_and_recover(
     tl.update_recovery(|r| {
         r.active = false;
         r.sessions += 1;
+        if result.is_ok() {
+            r.backoff = Duration::ZERO;
+            r.retry_at = None;
+        } else {
+            r.backoff = next_backoff(r.backoff);
+            r.retry_at = Some(Instant::now() + r.backoff);
+        }
         r.last_error = result.err();
     });
 }
@@ -852,6 +886,28 @@ mod tests {
         assert!(peer_lsn("FFFFFFFF/FFFFFFFF").is_err());
         assert!(peer_lsn("10000000/1").is_err());
         assert!(peer_lsn("not an LSN").is_err());
+    }
+
+    #[test]
+    fn no_donor_before_we_voted_and_failed_sessions_back_off() {
+        // Term 0: no term N, whatever a peer holds.
+        let m = me(0, &[], 0);
+        assert_eq!(
+            check_donor(&m, &peer(1, 0, &[(0, 100)], 2000)),
+            Err(NotADonor::NoTerm)
+        );
+        assert_eq!(
+            check_donor(&m, &peer(1, 1, &[(1, 100)], 2000)),
+            Err(NotADonor::NoTerm)
+        );
+        // 1 s, 2 s, 4 s, ... up to 30 s.
+        let mut b = Duration::ZERO;
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            b = next_backoff(b);
+            waits.push(b.as_secs());
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
     }
 
     #[test]
