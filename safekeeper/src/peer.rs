@@ -148,16 +148,7 @@ impl PeerClient {
             .and_then(|()| stream.flush())
             .map_err(|e| format!("{host}: {e}"))?;
         let mut r = BufReader::with_capacity(1 << 20, EofTolerant(stream));
-        let mut line = String::new();
-        r.read_line(&mut line).map_err(|e| format!("{host}: {e}"))?;
-        let code = line.split(' ').nth(1).unwrap_or("").to_string();
-        loop {
-            let mut h = String::new();
-            let n = r.read_line(&mut h).map_err(|e| format!("{host}: {e}"))?;
-            if n == 0 || h == "\r\n" || h == "\n" {
-                break;
-            }
-        }
+        let code = read_head(&mut r).map_err(|e| format!("{host}: GET {path}: {e}"))?;
         if code != "200" {
             let mut body = String::new();
             let _ = r.take(4096).read_to_string(&mut body);
@@ -254,6 +245,41 @@ fn server_name(host: &str) -> Result<ServerName<'static>, String> {
 trait ReadWrite: Read + Write + Send {}
 impl<T: Read + Write + Send> ReadWrite for T {}
 
+/// The most bytes of a peer's HTTP response head (status line and headers) read.
+pub const MAX_HTTP_HEAD: u64 = 64 << 10;
+
+/// Reads an HTTP response's status line and headers, at most [`MAX_HTTP_HEAD`] bytes in all;
+/// returns the status code (empty if the response had none).
+fn read_head(r: &mut impl BufRead) -> Result<String, String> {
+    let mut left = MAX_HTTP_HEAD;
+    let mut code = None;
+    loop {
+        let mut line = String::new();
+        let n = r
+            .by_ref()
+            .take(left)
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        left -= n as u64;
+        if left == 0 && !line.ends_with('\n') {
+            return Err(format!(
+                "the response's status line and headers exceed {MAX_HTTP_HEAD} bytes"
+            ));
+        }
+        if code.is_none() {
+            code = Some(line.split(' ').nth(1).unwrap_or("").to_string());
+            if n == 0 {
+                break;
+            }
+            continue;
+        }
+        if n == 0 || line == "\r\n" || line == "\n" {
+            break;
+        }
+    }
+    Ok(code.unwrap_or_default())
+}
+
 /// A peer that closes its TLS connection without `close_notify` ends the body like a plain
 /// connection's close: what a truncation would cut is caught by the callers (JSON that does not
 /// parse, a snapshot without its END frame).
@@ -271,6 +297,27 @@ impl Read for EofTolerant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_response_head_is_read_up_to_its_cap() {
+        let mut r = std::io::Cursor::new(b"HTTP/1.0 200 OK\r\nA: b\r\n\r\nbody".to_vec());
+        assert_eq!(read_head(&mut r).as_deref(), Ok("200"));
+        let mut body = String::new();
+        r.read_to_string(&mut body).unwrap();
+        assert_eq!(body, "body");
+        // Endless headers, or one endless line: refused at the cap, not read into memory.
+        let mut many = b"HTTP/1.0 200 OK\r\n".to_vec();
+        while many.len() < 2 * MAX_HTTP_HEAD as usize {
+            many.extend_from_slice(b"X-Pad: 0123456789\r\n");
+        }
+        let err = read_head(&mut std::io::Cursor::new(many)).unwrap_err();
+        assert!(err.contains("exceed"), "{err}");
+        let long = vec![b'a'; 2 * MAX_HTTP_HEAD as usize];
+        assert!(read_head(&mut std::io::Cursor::new(long)).is_err());
+        // A response cut short ends the head.
+        let mut r = std::io::Cursor::new(b"HTTP/1.0 404 Not Found\r\nA: b".to_vec());
+        assert_eq!(read_head(&mut r).as_deref(), Ok("404"));
+    }
 
     #[test]
     fn peer_addresses_parse_with_and_without_a_scheme() {

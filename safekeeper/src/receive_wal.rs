@@ -49,6 +49,16 @@ pub enum Outgoing {
     Error(ErrorFields),
 }
 
+/// Who feeds an acceptor pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A proposer's `START_WAL_PUSH` connection.
+    Proposer,
+    /// A peer recovery ([`crate::recovery`]): its messages are refused once a proposer is
+    /// connected ([`Timeline::process_recovery_msg`]).
+    Recovery,
+}
+
 /// A message queued for the acceptor, with its WAL byte count (for the queue gauges).
 pub type QueuedMsg = (ProposerAcceptorMessage, usize);
 
@@ -59,13 +69,25 @@ pub type QueuedMsg = (ProposerAcceptorMessage, usize);
 pub fn spawn_acceptor(
     tl: Arc<Timeline>,
     reply_tx: mpsc::Sender<Outgoing>,
+    source: Source,
 ) -> (mpsc::Sender<QueuedMsg>, tokio::task::JoinHandle<()>) {
     let (msg_tx, msg_rx) = mpsc::channel(MSG_QUEUE_SIZE);
     // The acceptor logs in the caller's span (the timeline's).
     let span = tracing::Span::current();
-    let task =
-        tokio::task::spawn_blocking(move || span.in_scope(|| run_acceptor(&tl, msg_rx, reply_tx)));
+    let task = tokio::task::spawn_blocking(move || {
+        span.in_scope(|| run_acceptor(&tl, msg_rx, reply_tx, source))
+    });
     (msg_tx, task)
+}
+
+/// [`spawn_acceptor`] of a recovery on a queue the caller made (a test fills it first).
+#[cfg(test)]
+pub(crate) fn spawn_acceptor_on(
+    tl: Arc<Timeline>,
+    msg_rx: mpsc::Receiver<QueuedMsg>,
+    reply_tx: mpsc::Sender<Outgoing>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::task::spawn_blocking(move || run_acceptor(&tl, msg_rx, reply_tx, Source::Recovery))
 }
 
 /// Queues `msg` for the acceptor, waiting while the queue is full (back-pressure). False if the
@@ -203,7 +225,7 @@ where
     tracing::info!("proposer connected");
 
     let (reply_tx, reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
-    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx.clone());
+    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx.clone(), Source::Proposer);
     let writer_task = tokio::spawn(run_writer(writer, reply_rx).in_current_span());
 
     // The greeting goes through the acceptor like every other message, in order.
@@ -326,7 +348,12 @@ fn wal_len(m: &ProposerAcceptorMessage) -> usize {
 
 /// The acceptor loop (blocking thread). Returns when the queue closes or an error ends the
 /// connection; flushes written WAL before returning.
-fn run_acceptor(tl: &Timeline, mut rx: mpsc::Receiver<QueuedMsg>, tx: mpsc::Sender<Outgoing>) {
+fn run_acceptor(
+    tl: &Timeline,
+    mut rx: mpsc::Receiver<QueuedMsg>,
+    tx: mpsc::Sender<Outgoing>,
+    source: Source,
+) {
     let mut dirty = false;
     let mut last_flush = Instant::now();
     loop {
@@ -355,7 +382,11 @@ fn run_acceptor(tl: &Timeline, mut rx: mpsc::Receiver<QueuedMsg>, tx: mpsc::Send
             }
             other => other,
         };
-        match tl.process_msg(&msg) {
+        let result = match source {
+            Source::Proposer => tl.process_msg(&msg),
+            Source::Recovery => tl.process_recovery_msg(&msg),
+        };
+        match result {
             Ok(reply) => {
                 metrics::count_proposer_message(label, true);
                 if let Some(reply) = reply

@@ -3,7 +3,9 @@
 //!
 //! Every second ([`RECOVERY_TICK`]) the driver ([`run`]) looks at each timeline with no proposer
 //! connected and asks its peers (`--peers`, limited to the members of the timeline's membership
-//! configuration once it has one) for their status over HTTP. A peer is a **donor** only if
+//! configuration once it has one) for their status over HTTP, once this node has voted (term
+//! N > 0); after a failed session the timeline waits ([`next_backoff`]: 1 s doubling up to
+//! 30 s) before it is checked again. A peer is a **donor** only if
 //! - its term, and the term of its newest WAL (`last_log_term`), equal this node's term N: it
 //!   holds WAL of the one proposer of term N, from that proposer's `ProposerElected`, and its
 //!   walsender serves it under `(term='N')`. A peer whose term is N but whose newest WAL is of an
@@ -14,16 +16,20 @@
 //! - its `(last_log_term, flush_lsn)` is beyond this node's.
 //!
 //! The most advanced donor's WAL is fetched with `START_REPLICATION PHYSICAL <lsn> (term='N')`
-//! on its PostgreSQL port and fed through the same acceptor as a proposer's stream
-//! ([`receive_wal::spawn_acceptor`]): first a `ProposerElected` carrying the donor's term
+//! on its PostgreSQL port. That walsender checks only the donor's acceptor term (what a
+//! proposer's own fetch needs), so once the stream is established, and again before the donor's
+//! commit LSN is adopted, the donor's status is read again ([`recheck_donor`]): its term and
+//! newest WAL's term still N, elected in the same generation, its history's entry for N the one
+//! we use, and its `/v1/status` naming the donor's node id. The WAL is fed through the same
+//! acceptor as a proposer's stream ([`receive_wal::spawn_acceptor`]): first a `ProposerElected` carrying the donor's term
 //! history (so `process_msg` truncates a divergent tail of ours at the highest common point,
 //! refuses a start below our commit LSN, and adopts the history), then an `AppendRequest` per
 //! XLogData message with the donor's commit LSN. Every rule of `process_msg` holds, writes are
 //! fsynced in batches as a proposer's are, and nothing is acknowledged to anyone.
 //!
-//! A proposer that connects stops the recovery at once (its stream wins); the acceptor
-//! serializes the two in the meantime, and a proposer's higher term makes the acceptor refuse
-//! whatever recovery still queued.
+//! A proposer that connects stops the recovery at once (its stream wins): once it is counted
+//! (before its first message is queued), the acceptor refuses, under its lock, every message
+//! recovery still queued ([`Timeline::process_recovery_msg`]), so the two never interleave.
 //!
 //! Not here: the HTTP and PostgreSQL clients ([`crate::peer`]), the acceptor pipeline
 //! ([`crate::receive_wal`]).
@@ -37,7 +43,8 @@ use pq_proto::client::CopyEvent;
 use pq_proto::replication::ReplicationMessage;
 use serde::{Deserialize, Serialize};
 use sk_core::protocol::{
-    AppendRequest, AppendRequestHeader, ProposerAcceptorMessage, ProposerElected,
+    AcceptorProposerMessage, AppendRequest, AppendRequestHeader, ProposerAcceptorMessage,
+    ProposerElected,
 };
 use sk_core::types::{Generation, Lsn, NodeId, Term, TermHistory, TermLsn};
 use tokio::sync::mpsc;
@@ -47,12 +54,21 @@ use tracing::Instrument;
 
 use crate::metrics;
 use crate::peer::{PeerAddr, PeerClient};
-use crate::receive_wal::{Outgoing, REPLY_QUEUE_SIZE, enqueue, spawn_acceptor};
+use crate::receive_wal::{Outgoing, REPLY_QUEUE_SIZE, Source, enqueue, spawn_acceptor};
 use crate::registry::GlobalTimelines;
 use crate::timeline::Timeline;
 
 /// How often each timeline is checked for a donor.
 pub const RECOVERY_TICK: Duration = Duration::from_secs(1);
+
+/// The longest wait before a timeline whose recovery sessions keep failing is tried again.
+pub const MAX_RETRY_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The wait after a failed session, given the wait after the one before (zero if it succeeded
+/// or there was none): doubles from [`RECOVERY_TICK`] up to [`MAX_RETRY_BACKOFF`].
+pub fn next_backoff(prev: Duration) -> Duration {
+    (prev * 2).clamp(RECOVERY_TICK, MAX_RETRY_BACKOFF)
+}
 
 /// What `/v1/timelines` shows of a timeline's peer recovery.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -67,6 +83,12 @@ pub struct RecoveryStatus {
     pub sessions: u64,
     /// Why the last session failed, if it did (cleared by one that succeeds).
     pub last_error: Option<String>,
+    /// The wait after the last failed session ([`next_backoff`]; zero after a success).
+    #[serde(skip)]
+    pub backoff: Duration,
+    /// No check of this timeline before then (set after a failed session).
+    #[serde(skip)]
+    pub retry_at: Option<Instant>,
 }
 
 /// This node's side of the comparison, read under the acceptor lock.
@@ -118,6 +140,8 @@ impl PeerView {
 /// Why a peer is not a donor (logged at debug level; shown in the tests).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NotADonor {
+    /// We have voted in no term yet: there is no term N to recover WAL of.
+    NoTerm,
     /// Not ahead of us.
     NotAhead,
     /// Its term or its newest WAL's term is not our term.
@@ -140,6 +164,9 @@ pub enum NotADonor {
 
 /// Whether `peer` may give `me` WAL (the module's donor rules).
 pub fn check_donor(me: &LocalView, peer: &PeerView) -> Result<(), NotADonor> {
+    if me.term == Term(0) {
+        return Err(NotADonor::NoTerm);
+    }
     if (peer.last_log_term(), peer.flush_lsn) <= (me.last_log_term(), me.flush_lsn) {
         return Err(NotADonor::NotAhead);
     }
@@ -245,6 +272,11 @@ async fn check_and_recover(
     client: &PeerClient,
     cancel: &CancellationToken,
 ) {
+    let mut retry_at = None;
+    tl.update_recovery(|r| retry_at = r.retry_at);
+    if retry_at.is_some_and(|t| Instant::now() < t) {
+        return; // backing off after a failed session
+    }
     let mconf = tl.status().mconf;
     if mconf.generation.0 > 0 && !mconf.contains(tl.node_id()) {
         return; // not a member: takes no part
@@ -255,8 +287,8 @@ async fn check_and_recover(
         .cloned()
         .collect();
     let me = tl.recovery_view();
-    if asked.is_empty() {
-        return;
+    if asked.is_empty() || me.term == Term(0) {
+        return; // no peer to ask, or no term N to recover WAL of
     }
     let views = {
         let (client, ttid) = (client.clone(), tl.ttid);
@@ -310,8 +342,41 @@ async fn check_and_recover(
     tl.update_recovery(|r| {
         r.active = false;
         r.sessions += 1;
+        if result.is_ok() {
+            r.backoff = Duration::ZERO;
+            r.retry_at = None;
+        } else {
+            r.backoff = next_backoff(r.backoff);
+            r.retry_at = Some(Instant::now() + r.backoff);
+        }
         r.last_error = result.err();
     });
+}
+
+/// Reads the acceptor's replies to a recovery session of term `term` until the acceptor exits;
+/// returns why the session failed, if it did, and cancels `stop` then. An error ends the session,
+/// and so does a reply in another term than `term` (our term moved on: the acceptor refuses the
+/// appends with a term-only reply, which is no error to a proposer but is to recovery).
+async fn watch_replies(
+    mut reply_rx: mpsc::Receiver<Outgoing>,
+    term: Term,
+    stop: CancellationToken,
+) -> Option<String> {
+    let mut error = None;
+    while let Some(out) = reply_rx.recv().await {
+        let failed = match out {
+            Outgoing::Error(e) => Some(e.message),
+            Outgoing::Reply(AcceptorProposerMessage::AppendResponse(r)) if r.term != term => {
+                Some(format!("our term moved on to {}", r.term))
+            }
+            Outgoing::Reply(_) => None,
+        };
+        if let Some(why) = failed {
+            error.get_or_insert(why);
+            stop.cancel();
+        }
+    }
+    error
 }
 
 /// The part of a peer's timeline status recovery reads.
@@ -328,6 +393,19 @@ struct StatusJson {
 struct EntryJson {
     term: Term,
     lsn: String,
+}
+
+/// The highest LSN a peer may report (an exbibyte of WAL): beyond it, its status is bogus,
+/// and LSN arithmetic on it could overflow.
+pub const MAX_PEER_LSN: Lsn = Lsn(1 << 60);
+
+/// An LSN of a peer's status: valid syntax, at most [`MAX_PEER_LSN`].
+fn peer_lsn(v: &str) -> Result<Lsn, String> {
+    let lsn: Lsn = v.parse().map_err(|e| format!("invalid LSN {v:?}: {e}"))?;
+    if lsn > MAX_PEER_LSN {
+        return Err(format!("LSN {lsn} is beyond {MAX_PEER_LSN}"));
+    }
+    Ok(lsn)
 }
 
 /// Asks peer `id` at `http` for its status of `ttid`. Blocking.
@@ -348,7 +426,7 @@ fn peer_view(
         .read_to_string(&mut body)
         .map_err(|e| format!("{http}: {e}"))?;
     let s: StatusJson = serde_json::from_str(&body).map_err(|e| format!("{http}: {e}"))?;
-    let lsn = |v: &str| -> Result<Lsn, String> { v.parse().map_err(|e| format!("{http}: {e}")) };
+    let lsn = |v: &str| -> Result<Lsn, String> { peer_lsn(v).map_err(|e| format!("{http}: {e}")) };
     let term_history = TermHistory(
         s.term_history
             .iter()
@@ -374,14 +452,43 @@ fn peer_view(
     })
 }
 
+/// What recovery reads of a peer's `/v1/status`.
+#[derive(Deserialize)]
+struct NodeStatus {
+    id: u64,
+    pg_port: u16,
+}
+
+/// The donor's `/v1/status`, which must name the donor's node id (the HTTP address is that
+/// node). Blocking.
+fn donor_node_status(client: &PeerClient, donor: &PeerView) -> Result<NodeStatus, String> {
+    let mut body = String::new();
+    client
+        .get(&donor.http, "/v1/status")?
+        .take(1 << 16)
+        .read_to_string(&mut body)
+        .map_err(|e| format!("{}: {e}", donor.http))?;
+    let s: NodeStatus =
+        serde_json::from_str(&body).map_err(|e| format!("{}: /v1/status: {e}", donor.http))?;
+    if s.id != donor.id.0 {
+        return Err(format!(
+            "{} is node {}, not the donor {}",
+            donor.http, s.id, donor.id
+        ));
+    }
+    Ok(s)
+}
+
 /// The donor's PostgreSQL address: its entry in our membership configuration, else the host of
-/// its HTTP address and the port its `/v1/status` names. Blocking.
+/// its HTTP address and the port its `/v1/status` names. The HTTP address must be the donor's
+/// node (its `/v1/status` id), so both addresses name the same node. Blocking.
 fn donor_pg_addr(
     tl: &Timeline,
     client: &PeerClient,
     donor: &PeerView,
 ) -> Result<(String, u16, bool), String> {
     let http = PeerAddr::parse(&donor.http)?;
+    let status = donor_node_status(client, donor)?;
     let mconf = tl.status().mconf;
     let member = mconf
         .members
@@ -391,19 +498,54 @@ fn donor_pg_addr(
     if let Some(m) = member {
         return Ok((m.host.clone(), m.pg_port, http.tls));
     }
-    #[derive(Deserialize)]
-    struct NodeStatus {
-        pg_port: u16,
+    Ok((http.host, status.pg_port, http.tls))
+}
+
+/// Whether the donor's status read again (`fresh`) still allows recovering term `term`'s WAL
+/// as the session began it: its term and its newest WAL's term are `term`, its term was
+/// elected in the same generation, and its history's entry for `term` (where term `term`'s
+/// WAL starts) is the one our `ProposerElected` carries.
+pub fn recheck_donor(donor: &PeerView, fresh: &PeerView, term: Term) -> Result<(), String> {
+    if fresh.term != term || fresh.last_log_term() != term {
+        return Err(format!(
+            "the donor moved on: its term is {}, its newest WAL's term {}, ours {term}",
+            fresh.term,
+            fresh.last_log_term()
+        ));
     }
-    let mut body = String::new();
-    client
-        .get(&donor.http, "/v1/status")?
-        .take(1 << 16)
-        .read_to_string(&mut body)
-        .map_err(|e| format!("{}: {e}", donor.http))?;
-    let s: NodeStatus =
-        serde_json::from_str(&body).map_err(|e| format!("{}: /v1/status: {e}", donor.http))?;
-    Ok((http.host, s.pg_port, http.tls))
+    if fresh.elected_generation != donor.elected_generation {
+        return Err(format!(
+            "the donor's term was elected in generation {}, not {}",
+            fresh.elected_generation.0, donor.elected_generation.0
+        ));
+    }
+    let entry = |h: &TermHistory| h.0.iter().find(|e| e.term == term).copied();
+    if entry(&fresh.term_history) != entry(&donor.term_history) {
+        return Err(format!(
+            "the donor's history of term {term} changed: {:?}, was {:?}",
+            entry(&fresh.term_history),
+            entry(&donor.term_history)
+        ));
+    }
+    Ok(())
+}
+
+/// Reads the donor's status again (blocking calls on a blocking thread) and checks it with
+/// [`recheck_donor`] and its node id.
+async fn verify_donor(
+    client: &PeerClient,
+    ttid: sk_core::types::TenantTimelineId,
+    donor: &PeerView,
+    term: Term,
+) -> Result<(), String> {
+    let (client, donor) = (client.clone(), donor.clone());
+    tokio::task::spawn_blocking(move || {
+        donor_node_status(&client, &donor)?;
+        let fresh = peer_view(&client, ttid, donor.id, &donor.http)?;
+        recheck_donor(&donor, &fresh, term)
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// Streams the donor's WAL from our start point up to the donor's flush LSN (as its status
@@ -451,18 +593,15 @@ async fn recover(
         .await
         .map_err(|e| format!("{host}:{port}: START_REPLICATION: {e}"))?;
 
-    let (reply_tx, mut reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
-    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx);
-    // The acceptor's replies: its errors end the session; its flush LSNs say what is durable.
-    let replies = tokio::spawn(async move {
-        let mut error = None;
-        while let Some(out) = reply_rx.recv().await {
-            if let Outgoing::Error(e) = out {
-                error.get_or_insert(e.message);
-            }
-        }
-        error
-    });
+    // The stream is served under `(term='N')`, which checks only the donor's acceptor term:
+    // the donor must still hold WAL of term N from its `ProposerElected(N)` on, as when it was
+    // chosen (only that WAL may be recovered).
+    verify_donor(client, tl.ttid, donor, term).await?;
+
+    let (reply_tx, reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
+    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx, Source::Recovery);
+    let stop = CancellationToken::new();
+    let replies = tokio::spawn(watch_replies(reply_rx, term, stop.clone()));
     let generation = donor.elected_generation;
     let elected = ProposerAcceptorMessage::Elected(ProposerElected {
         generation,
@@ -484,6 +623,7 @@ async fn recover(
                 _ = cancel.cancelled() => return Err("shutting down".into()),
                 _ = tl.deleted().cancelled() => return Err("the timeline was deleted".into()),
                 _ = msg_tx.closed() => return Err("the acceptor stopped".into()),
+                _ = stop.cancelled() => return Err("the acceptor refused the session".into()),
                 e = reader.read() => e.map_err(|e| format!("{host}:{port}: {e}"))?,
             };
             let frame = match event {
@@ -502,8 +642,13 @@ async fn recover(
                     "{host}:{port} sent WAL at {wal_start}, {pos} was expected"
                 ));
             }
-            let end = Lsn(pos.0 + data.len() as u64);
             let len = data.len() as u64;
+            let end = pos
+                .0
+                .checked_add(len)
+                .map(Lsn)
+                .filter(|end| *end <= MAX_PEER_LSN)
+                .ok_or_else(|| format!("{host}:{port} sent WAL past {MAX_PEER_LSN} at {pos}"))?;
             let append = ProposerAcceptorMessage::AppendRequest(AppendRequest {
                 h: AppendRequestHeader {
                     generation,
@@ -539,9 +684,12 @@ async fn recover(
             },
             wal_data: Bytes::new(),
         });
-        if !enqueue(&msg_tx, ProposerAcceptorMessage::FlushWAL).await
-            || !enqueue(&msg_tx, commit).await
-        {
+        if !enqueue(&msg_tx, ProposerAcceptorMessage::FlushWAL).await {
+            return Err("the acceptor stopped".into());
+        }
+        // The donor's commit LSN is adopted only if the donor is still what it was.
+        verify_donor(client, tl.ttid, donor, term).await?;
+        if stop.is_cancelled() || !enqueue(&msg_tx, commit).await {
             return Err("the acceptor stopped".into());
         }
         Ok(())
@@ -564,6 +712,7 @@ async fn recover(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sk_core::protocol::AppendResponse;
 
     fn hist(entries: &[(u64, u64)]) -> TermHistory {
         TermHistory::from_pairs(entries)
@@ -626,6 +775,139 @@ mod tests {
             Err(NotADonor::OtherGeneration { .. })
         ));
         assert!(choose_donor(&m, &[voted_only, newer, other_gen]).is_none());
+    }
+
+    /// Recovery messages queued when a proposer connects are refused under the acceptor lock:
+    /// none is applied once the proposer is counted (its stream and recovery's never interleave).
+    #[tokio::test]
+    async fn recovery_messages_are_refused_once_a_proposer_is_counted() {
+        use crate::test_util::{elected_timeline, sim_node};
+        const SEG: u64 = 1 << 20;
+        let (_sim, _fs, timelines) = sim_node();
+        let start = Lsn(SEG);
+        let tl = elected_timeline(&timelines, 3, SEG, start);
+        let mut g = pg_wal::generator::WalGenerator::new(42, SEG, start).unwrap();
+        let mut wal = Vec::new();
+        while wal.len() < 20_000 {
+            g.append_logical_message(&mut wal, &[7; 300]);
+        }
+        let before = tl.positions().flush_lsn;
+        // Recovery's messages are queued, then the proposer connects before they are processed.
+        let (reply_tx, mut reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
+        let (msg_tx, msg_rx) = mpsc::channel(16);
+        let append = |begin: Lsn, piece: &[u8]| {
+            ProposerAcceptorMessage::AppendRequest(AppendRequest {
+                h: AppendRequestHeader {
+                    generation: Generation(0),
+                    term: Term(1),
+                    begin_lsn: begin,
+                    end_lsn: Lsn(begin.0 + piece.len() as u64),
+                    commit_lsn: Lsn::INVALID,
+                    truncate_lsn: Lsn::INVALID,
+                },
+                wal_data: Bytes::copy_from_slice(piece),
+            })
+        };
+        for (i, piece) in wal.chunks(4096).enumerate() {
+            let begin = Lsn(start.0 + (i * 4096) as u64);
+            assert!(enqueue(&msg_tx, append(begin, piece)).await);
+        }
+        drop(msg_tx);
+        let proposer = tl.proposer_guard();
+        let acceptor = crate::receive_wal::spawn_acceptor_on(tl.clone(), msg_rx, reply_tx);
+        acceptor.await.unwrap();
+        let mut refused = None;
+        while let Some(out) = reply_rx.recv().await {
+            if let Outgoing::Error(e) = out {
+                refused.get_or_insert(e.message);
+            }
+        }
+        let refused = refused.expect("recovery's WAL refused");
+        assert!(refused.contains("a proposer is connected"), "{refused}");
+        assert_eq!(tl.positions().flush_lsn, before, "no recovery WAL applied");
+        // Without a proposer, the same message is taken.
+        drop(proposer);
+        tl.process_recovery_msg(&append(start, &wal))
+            .expect("taken with no proposer");
+    }
+
+    #[test]
+    fn a_donor_is_rechecked_against_what_the_session_began_with() {
+        let d = peer(1, 3, &[(1, 100), (3, 500)], 2000);
+        let mut fresh = d.clone();
+        fresh.flush_lsn = Lsn(3000);
+        assert_eq!(recheck_donor(&d, &fresh, Term(3)), Ok(()));
+        // It voted for term 4 since: its term moved on.
+        let mut voted = fresh.clone();
+        voted.term = Term(4);
+        assert!(recheck_donor(&d, &voted, Term(3)).is_err());
+        // Its history's entry for term 3 is not the one our `ProposerElected` carries.
+        let mut moved = fresh.clone();
+        moved.term_history = hist(&[(1, 100), (3, 400)]);
+        assert!(recheck_donor(&d, &moved, Term(3)).is_err());
+        // Newest WAL of an older term (a vote without WAL).
+        let mut older = fresh.clone();
+        older.term_history = hist(&[(1, 100)]);
+        assert!(recheck_donor(&d, &older, Term(3)).is_err());
+        // Elected in another generation.
+        let mut other_gen = fresh;
+        other_gen.elected_generation = Generation(5);
+        assert!(recheck_donor(&d, &other_gen, Term(3)).is_err());
+    }
+
+    /// A reply in another term than the session's (our term moved on: appends get a term-only
+    /// answer) fails the session and stops it, as an error does; replies in its term do not.
+    #[tokio::test]
+    async fn a_reply_in_another_term_fails_the_session() {
+        let reply = |t: u64| {
+            Outgoing::Reply(AcceptorProposerMessage::AppendResponse(
+                AppendResponse::term_only(Generation(0), Term(t)),
+            ))
+        };
+        let (tx, rx) = mpsc::channel(8);
+        let stop = CancellationToken::new();
+        tx.send(reply(3)).await.unwrap();
+        drop(tx);
+        assert_eq!(watch_replies(rx, Term(3), stop.clone()).await, None);
+        assert!(!stop.is_cancelled());
+
+        let (tx, rx) = mpsc::channel(8);
+        tx.send(reply(3)).await.unwrap();
+        tx.send(reply(4)).await.unwrap();
+        drop(tx);
+        let why = watch_replies(rx, Term(3), stop.clone()).await;
+        assert_eq!(why.as_deref(), Some("our term moved on to 4"));
+        assert!(stop.is_cancelled());
+    }
+
+    #[test]
+    fn a_peer_lsn_beyond_sane_bounds_is_refused() {
+        assert_eq!(peer_lsn("0/1000000"), Ok(Lsn(1 << 24)));
+        assert!(peer_lsn("FFFFFFFF/FFFFFFFF").is_err());
+        assert!(peer_lsn("10000000/1").is_err());
+        assert!(peer_lsn("not an LSN").is_err());
+    }
+
+    #[test]
+    fn no_donor_before_we_voted_and_failed_sessions_back_off() {
+        // Term 0: no term N, whatever a peer holds.
+        let m = me(0, &[], 0);
+        assert_eq!(
+            check_donor(&m, &peer(1, 0, &[(0, 100)], 2000)),
+            Err(NotADonor::NoTerm)
+        );
+        assert_eq!(
+            check_donor(&m, &peer(1, 1, &[(1, 100)], 2000)),
+            Err(NotADonor::NoTerm)
+        );
+        // 1 s, 2 s, 4 s, ... up to 30 s.
+        let mut b = Duration::ZERO;
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            b = next_backoff(b);
+            waits.push(b.as_secs());
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
     }
 
     #[test]

@@ -242,6 +242,25 @@ impl Timeline {
         &self,
         msg: &ProposerAcceptorMessage,
     ) -> Result<Option<AcceptorProposerMessage>, SafeKeeperError> {
+        self.process(msg, false)
+    }
+
+    /// [`Timeline::process_msg`] for a message of a peer recovery: refused, under the acceptor
+    /// lock, once a proposer is connected. The proposer's count is raised before its first
+    /// message is queued, so no recovery message is applied after any message of a proposer
+    /// (its stream wins; recovery's queued messages are refused, never interleaved).
+    pub fn process_recovery_msg(
+        &self,
+        msg: &ProposerAcceptorMessage,
+    ) -> Result<Option<AcceptorProposerMessage>, SafeKeeperError> {
+        self.process(msg, true)
+    }
+
+    fn process(
+        &self,
+        msg: &ProposerAcceptorMessage,
+        recovery: bool,
+    ) -> Result<Option<AcceptorProposerMessage>, SafeKeeperError> {
         if let ProposerAcceptorMessage::AppendRequest(a)
         | ProposerAcceptorMessage::NoFlushAppendRequest(a) = msg
             && !a.wal_data.is_empty()
@@ -255,6 +274,12 @@ impl Timeline {
                 "timeline {} was deleted on this safekeeper",
                 self.ttid
             ))
+            .into());
+        }
+        if recovery && self.proposers.load(Ordering::SeqCst) > 0 {
+            return Err(storage::Error::Rejected(
+                "a proposer is connected: peer recovery's WAL is refused".into(),
+            )
             .into());
         }
         let result = acceptor.process_msg(msg);
@@ -591,7 +616,8 @@ impl ConnectionGuard {
     fn new(tl: Arc<Timeline>, role: Role) -> ConnectionGuard {
         match role {
             Role::Proposer => {
-                tl.proposers.fetch_add(1, Ordering::Relaxed);
+                // SeqCst: read under the acceptor lock by `process_recovery_msg`.
+                tl.proposers.fetch_add(1, Ordering::SeqCst);
                 tl.proposer_arrived.notify_waiters();
                 crate::metrics::WAL_RECEIVERS.inc();
             }

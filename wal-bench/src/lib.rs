@@ -247,7 +247,7 @@ impl Acceptor {
     /// Starts the acceptor of `tl`. Call inside a tokio runtime.
     pub fn spawn(tl: Arc<Timeline>) -> Acceptor {
         let (reply_tx, replies) = mpsc::channel(REPLY_QUEUE_SIZE);
-        let (tx, task) = receive_wal::spawn_acceptor(tl, reply_tx);
+        let (tx, task) = receive_wal::spawn_acceptor(tl, reply_tx, receive_wal::Source::Proposer);
         Acceptor {
             tx: Some(tx),
             replies,
