@@ -200,13 +200,18 @@ mod tests {
                 begin_lsn: start,
                 end_lsn: Lsn(start.0 + wal.len() as u64),
                 commit_lsn: Lsn::INVALID,
-                truncate_lsn: Lsn::INVALID,
+                truncate_lsn: Lsn(start.0 + 100),
             },
             wal_data: bytes::Bytes::from(wal.clone()),
         });
         let err = tl.process_msg(&msg).unwrap_err().to_string();
         assert!(err.contains("--max-timeline-disk-usage 100"), "{err}");
         assert_eq!(tl.positions().flush_lsn, start, "nothing written");
+        assert_eq!(
+            tl.status().peer_horizon_lsn,
+            Lsn(start.0 + 100),
+            "the refused append's header is taken: removal below the peers' horizon frees space"
+        );
         assert!(tl.set_disk_limit(l.violation(50, None)));
         append(&tl, 1, start, &wal, Lsn::INVALID, true);
         assert_eq!(tl.positions().flush_lsn, walgen.lsn());

@@ -266,6 +266,21 @@ impl Timeline {
             && !a.wal_data.is_empty()
             && let Some(why) = self.disk_limit.lock().expect("disk limit lock").clone()
         {
+            // The WAL is refused, but its header is still taken (as an empty append would be):
+            // the commit LSN (capped at our flush) and the peers' horizon. Removal below that
+            // horizon is what frees the space; without it a node at its limit would wait for a
+            // horizon that only an accepted append can bring.
+            let header_only = sk_core::protocol::AppendRequest {
+                h: sk_core::protocol::AppendRequestHeader {
+                    end_lsn: a.h.begin_lsn,
+                    ..a.h
+                },
+                wal_data: bytes::Bytes::new(),
+            };
+            self.process(
+                &ProposerAcceptorMessage::NoFlushAppendRequest(header_only),
+                recovery,
+            )?;
             return Err(storage::Error::NoSpace(why).into());
         }
         let mut acceptor = self.lock();

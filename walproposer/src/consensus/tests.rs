@@ -20,15 +20,7 @@ fn cfg(n: usize) -> CoreConfig {
 }
 
 fn h(entries: &[(u64, u64)]) -> TermHistory {
-    TermHistory(
-        entries
-            .iter()
-            .map(|&(t, l)| TermLsn {
-                term: Term(t),
-                lsn: Lsn(l),
-            })
-            .collect(),
-    )
+    TermHistory::from_pairs(entries)
 }
 
 fn greeting(term: u64) -> AcceptorProposerMessage {
