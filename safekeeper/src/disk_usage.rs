@@ -96,13 +96,8 @@ pub async fn run(
     tick: Duration,
     cancel: CancellationToken,
 ) {
-    let mut interval = tokio::time::interval(tick);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = interval.tick() => {}
-            _ = cancel.cancelled() => return,
-        }
+    let mut ticker = crate::ticker::Ticker::new(tick);
+    while ticker.tick(&cancel).await {
         let (timelines, limits) = (timelines.clone(), limits.clone());
         let _ = tokio::task::spawn_blocking(move || measure(&timelines, &limits)).await;
     }

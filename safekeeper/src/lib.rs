@@ -32,6 +32,7 @@ pub mod remove_wal;
 pub mod send_wal;
 #[cfg(test)]
 mod test_util;
+pub mod ticker;
 pub mod timeline;
 pub mod tls;
 pub mod wal_backup;

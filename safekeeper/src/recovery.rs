@@ -236,13 +236,8 @@ pub async fn run(
     }
     tracing::info!(peers = ?peers, "peer recovery on");
     let tasks = TaskTracker::new();
-    let mut tick = tokio::time::interval(RECOVERY_TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = cancel.cancelled() => break,
-        }
+    let mut ticker = crate::ticker::Ticker::new(RECOVERY_TICK);
+    while ticker.tick(&cancel).await {
         for tl in timelines.all() {
             if tl.deleted().is_cancelled() || tl.proposer_count() > 0 {
                 continue;

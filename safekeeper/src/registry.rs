@@ -526,13 +526,8 @@ impl GlobalTimelines {
     /// The timeline manager: persists in-memory LSNs off the ingest path, every 300 ms when due.
     /// Runs until `shutdown` is cancelled. Cancellation-safe.
     pub async fn run_manager(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
-        let mut tick = tokio::time::interval(MANAGER_TICK);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = shutdown.cancelled() => return,
-            }
+        let mut ticker = crate::ticker::Ticker::new(MANAGER_TICK);
+        while ticker.tick(&shutdown).await {
             let me = self.clone();
             if let Err(e) = tokio::task::spawn_blocking(move || me.persist(false)).await {
                 tracing::error!("timeline manager task failed: {e}");

@@ -452,13 +452,8 @@ pub async fn run_lifecycle(
 ) {
     let mut jobs: HashMap<TenantTimelineId, tokio::task::JoinHandle<()>> = HashMap::new();
     let listed: Arc<std::sync::Mutex<HashSet<TenantTimelineId>>> = Arc::default();
-    let mut interval = tokio::time::interval(tick);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = interval.tick() => {}
-            _ = cancel.cancelled() => break,
-        }
+    let mut ticker = crate::ticker::Ticker::new(tick);
+    while ticker.tick(&cancel).await {
         jobs.retain(|_, j| !j.is_finished());
         for tl in timelines.all() {
             if jobs.contains_key(&tl.ttid) {
