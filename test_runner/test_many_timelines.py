@@ -72,8 +72,10 @@ def test_many_timelines_with_wal_fit_a_default_open_files_limit(safekeeper_facto
     n = int(os.environ.get("MANY_TIMELINES", "2000"))
     cap = NOFILE // 2
     # Besides segment files: ~30 of the daemon's own (listeners, epoll, log, lock file, ...),
-    # the driver's 32 connections at a time, and short-lived reads and creations.
-    margin = 100
+    # the driver's 32 connections at a time, 3 descriptors each (the socket, the epoll and
+    # eventfd of the connection's own runtime), two generations of them overlapping as they
+    # are replaced, and short-lived reads and creations.
+    margin = 64 + 3 * 2 * 32
     # --no-sync: what is measured here is descriptors, start-up and memory, not the disk (the
     # LRU's fsync before close is the unit test's); it keeps the test short.
     sk = safekeeper_factory(

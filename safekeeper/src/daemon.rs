@@ -217,7 +217,7 @@ pub async fn run(
     };
     let open_files = OpenFiles::new(
         conf.max_open_segment_files
-            .unwrap_or_else(default_max_open_segment_files),
+            .unwrap_or_else(|| default_max_open_segment_files(conf.max_connections)),
     );
     let started = Instant::now();
     let timelines = {
@@ -397,11 +397,21 @@ fn raise_open_files_limit() {
     }
 }
 
-/// `--max-open-segment-files` when not given: [`DEFAULT_MAX_OPEN_SEGMENT_FILES`], or half the
-/// open files limit if that is lower (the other half for connections, readers and start-up).
-fn default_max_open_segment_files() -> usize {
-    let half = open_files_limit().map_or(u64::MAX, |(soft, _)| soft / 2);
-    (DEFAULT_MAX_OPEN_SEGMENT_FILES as u64).min(half).max(1) as usize
+/// Descriptors one proposer connection holds: its socket, and its own runtime's epoll and
+/// eventfd ([`crate::receive_wal`]).
+const FDS_PER_CONNECTION: u64 = 3;
+/// Descriptors kept for everything else: listeners, logs, start-up, short-lived files.
+const FDS_RESERVED: u64 = 64;
+
+/// `--max-open-segment-files` when not given: [`DEFAULT_MAX_OPEN_SEGMENT_FILES`], or what the
+/// open files limit leaves after `max_connections` proposer connections and a reserve, if
+/// that is lower (but at least a quarter of the limit).
+fn default_max_open_segment_files(max_connections: usize) -> usize {
+    let budget = open_files_limit().map_or(u64::MAX, |(soft, _)| {
+        soft.saturating_sub(FDS_RESERVED + FDS_PER_CONNECTION * max_connections as u64)
+            .max(soft / 4)
+    });
+    (DEFAULT_MAX_OPEN_SEGMENT_FILES as u64).min(budget).max(1) as usize
 }
 
 /// Reloads the JWT keys on every SIGHUP until `cancel` (a failed reload keeps the old keys).

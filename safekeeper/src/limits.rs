@@ -21,6 +21,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
 use pq_proto::frontend::{GSSENC_REQUEST_CODE, SSL_REQUEST_CODE};
+use pq_proto::stream::MaybeTls;
 use pq_proto::{BackendMessage, ErrorFields, sqlstate};
 
 /// Parses a duration flag: `500ms`, `30s`, `10m`, `2h`, or a bare number of seconds.
@@ -111,6 +112,138 @@ impl<S> IdleTimeout<S> {
     /// The wrapped stream.
     pub fn get_ref(&self) -> &S {
         &self.inner
+    }
+}
+
+/// A stream that can move to the tokio runtime of the calling thread: its socket is
+/// registered with that runtime's I/O driver, its timers with that runtime's clock. A proposer's
+/// connection moves to a runtime of its own ([`crate::receive_wal`]), so the kernel wakes the
+/// thread that processes its messages directly, with no hand-off between threads.
+pub trait Rebind {
+    /// Re-registers with the current runtime. Call it inside that runtime, while nothing is
+    /// waiting on the stream.
+    fn rebind(&mut self) -> io::Result<()>;
+}
+
+impl<S: Rebind> Rebind for IdleTimeout<S> {
+    fn rebind(&mut self) -> io::Result<()> {
+        self.inner.rebind()?;
+        self.read = Timer::new();
+        self.write = Timer::new();
+        Ok(())
+    }
+}
+
+impl<P: Rebind, T: Rebind> Rebind for MaybeTls<P, T> {
+    fn rebind(&mut self) -> io::Result<()> {
+        match self {
+            MaybeTls::Plain(s) => s.rebind(),
+            MaybeTls::Tls(s) => s.rebind(),
+        }
+    }
+}
+
+impl<T: Rebind> Rebind for Box<T> {
+    fn rebind(&mut self) -> io::Result<()> {
+        (**self).rebind()
+    }
+}
+
+impl<S: Rebind> Rebind for tokio_rustls::server::TlsStream<S> {
+    fn rebind(&mut self) -> io::Result<()> {
+        // The TLS session state stays; only the transport under it moves.
+        self.get_mut().0.rebind()
+    }
+}
+
+/// In-memory streams (tests) belong to no runtime.
+impl Rebind for tokio::io::DuplexStream {
+    fn rebind(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A TCP socket that can move between runtimes ([`Rebind`]).
+pub struct Socket(Option<TcpStream>);
+
+impl Socket {
+    /// Wraps a socket registered with the current runtime.
+    pub fn new(s: TcpStream) -> Socket {
+        Socket(Some(s))
+    }
+
+    fn get(&mut self) -> io::Result<&mut TcpStream> {
+        self.0
+            .as_mut()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "socket lost in a move"))
+    }
+}
+
+impl Rebind for Socket {
+    fn rebind(&mut self) -> io::Result<()> {
+        let s = self
+            .0
+            .take()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "socket lost in a move"))?;
+        // Deregisters from the old runtime's driver; the std socket stays non-blocking.
+        let std = s.into_std()?;
+        self.0 = Some(TcpStream::from_std(std)?);
+        Ok(())
+    }
+}
+
+impl AsyncRead for Socket {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut().get() {
+            Ok(s) => Pin::new(s).poll_read(cx, buf),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+}
+
+impl AsyncWrite for Socket {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut().get() {
+            Ok(s) => Pin::new(s).poll_write(cx, buf),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut().get() {
+            Ok(s) => Pin::new(s).poll_flush(cx),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut().get() {
+            Ok(s) => Pin::new(s).poll_shutdown(cx),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut().get() {
+            Ok(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
     }
 }
 

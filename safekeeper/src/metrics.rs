@@ -86,7 +86,7 @@ pub static WAL_SENT_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
 pub static RECEIVER_QUEUE_DEPTH: LazyLock<IntGauge> = LazyLock::new(|| {
     gauge(
         "safekeeper_wal_receiver_queue_depth",
-        "Messages queued between connection readers and WAL acceptors",
+        "Messages queued for queue-fed WAL acceptors (peer recovery; a proposer's wait in its socket)",
     )
 });
 
@@ -94,7 +94,7 @@ pub static RECEIVER_QUEUE_DEPTH: LazyLock<IntGauge> = LazyLock::new(|| {
 pub static RECEIVER_QUEUE_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
     gauge(
         "safekeeper_wal_receiver_queue_bytes",
-        "WAL bytes queued between connection readers and WAL acceptors",
+        "WAL bytes queued for queue-fed WAL acceptors (peer recovery; a proposer's wait in its socket)",
     )
 });
 

@@ -1,14 +1,19 @@
-//! `START_WAL_PUSH`: the pipelined WAL acceptor of one proposer connection.
+//! `START_WAL_PUSH`: the WAL acceptor of one proposer connection.
 //!
-//! Three parts run at once:
-//! - the **reader** (this connection's task) decodes CopyData frames into protocol messages and
-//!   pushes them into a bounded queue (256 messages: at most 32 MiB of WAL in flight, so a slow
-//!   disk back-pressures the proposer instead of growing memory);
-//! - the **acceptor** (a blocking thread) runs `process_msg` on each message, writing appends
-//!   without syncing; when the queue is empty, and at least once a second under steady load, it
-//!   makes the whole batch durable with one `fdatasync` and answers with the new `flush_lsn`; it
-//!   flushes once more when the connection ends;
-//! - the **writer** (a task) encodes replies and sends them, batching what is queued.
+//! A proposer's connection moves, once it has sent `START_WAL_PUSH`, to a thread of its own
+//! running a single-threaded tokio runtime ([`Rebind`]: the socket and its idle timers are
+//! registered with that runtime). That thread does everything for the connection: it reads and
+//! decodes frames, runs `process_msg` on each, writing appends without syncing; when no further
+//! message has arrived (and at least once a second under steady load) it makes the whole batch
+//! durable with one `fdatasync` and writes the reply carrying the new `flush_lsn` straight to
+//! the socket; it flushes once more when the connection ends. So a single commit costs one
+//! read, one write, one `fdatasync` and one reply, and the kernel wakes the thread that does
+//! them, with no hand-off between threads on the way; a fast proposer's messages wait in the
+//! socket's buffer while an `fdatasync` runs and are taken as one batch after it (a slow disk
+//! back-pressures the proposer through TCP instead of growing memory).
+//!
+//! The same acceptor loop ([`Link`]) also runs without a socket, behind a bounded queue
+//! ([`spawn_acceptor`]: peer recovery, the benches).
 //!
 //! A reply only ever carries durable state: `flush_lsn` comes from the WAL store's synced
 //! position (see `SafeKeeper::process_msg`).
@@ -17,30 +22,32 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
+use futures::FutureExt;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::auth::{Claims, check_permission};
+use crate::limits::Rebind;
 use crate::metrics;
 use crate::registry::GlobalTimelines;
 use crate::timeline::Timeline;
 use pq_proto::PqError;
-use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
+use pq_proto::server::ServerConn;
 use pq_proto::{BackendMessage, ErrorFields, FrontendMessage, sqlstate};
 use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage, ProposerGreeting};
 use sk_core::types::TenantTimelineId;
 
-/// Messages queued between the reader and the acceptor.
+/// Messages queued for an acceptor without a socket ([`spawn_acceptor`]).
 pub const MSG_QUEUE_SIZE: usize = 256;
-/// Replies queued between the acceptor and the writer.
+/// Replies queued by an acceptor without a socket.
 pub const REPLY_QUEUE_SIZE: usize = 16;
 /// Under steady load, flush at least this often (each flush answers the proposer).
 pub const FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 
-/// What the writer sends.
+/// What the acceptor sends.
 #[derive(Debug)]
 pub enum Outgoing {
     /// A reply to the proposer.
@@ -49,7 +56,7 @@ pub enum Outgoing {
     Error(ErrorFields),
 }
 
-/// Who feeds an acceptor pipeline.
+/// Who feeds an acceptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
     /// A proposer's `START_WAL_PUSH` connection.
@@ -62,21 +69,36 @@ pub enum Source {
 /// A message queued for the acceptor, with its WAL byte count (for the queue gauges).
 pub type QueuedMsg = (ProposerAcceptorMessage, usize);
 
-/// Starts the acceptor of `tl` on a blocking thread (the middle of the pipeline, without a
-/// socket): messages go in through the returned queue (use [`enqueue`]), replies and a fatal
-/// error come out on `reply_tx`. Closing the queue makes it flush what it wrote and exit; the
-/// handle completes then. Must be called inside a tokio runtime.
+/// What the acceptor reads next.
+enum Input {
+    /// A message to process.
+    Msg(ProposerAcceptorMessage),
+    /// The stream ends: cleanly, or with an error to send once written WAL is flushed.
+    End(Option<ErrorFields>),
+}
+
+/// What an acceptor reads from and answers to: a proposer's socket or a queue.
+trait Link {
+    /// The next input if it is already here; `None` if waiting would be needed.
+    fn try_next(&mut self) -> Option<Input>;
+    /// Waits for the next input.
+    async fn next(&mut self) -> Input;
+    /// Sends a reply at once, or the error that ends the stream. False if the other side is
+    /// gone.
+    async fn send(&mut self, out: Outgoing) -> bool;
+}
+
+/// Starts the acceptor of `tl` on a blocking thread, behind a queue instead of a socket:
+/// messages go in through the returned queue (use [`enqueue`]), replies and a fatal error come
+/// out on `reply_tx`. Closing the queue makes it flush what it wrote and exit; the handle
+/// completes then. Must be called inside a tokio runtime.
 pub fn spawn_acceptor(
     tl: Arc<Timeline>,
     reply_tx: mpsc::Sender<Outgoing>,
     source: Source,
 ) -> (mpsc::Sender<QueuedMsg>, tokio::task::JoinHandle<()>) {
     let (msg_tx, msg_rx) = mpsc::channel(MSG_QUEUE_SIZE);
-    // The acceptor logs in the caller's span (the timeline's).
-    let span = tracing::Span::current();
-    let task = tokio::task::spawn_blocking(move || {
-        span.in_scope(|| run_acceptor(&tl, msg_rx, reply_tx, source))
-    });
+    let task = spawn_queue_acceptor(tl, msg_rx, reply_tx, source);
     (msg_tx, task)
 }
 
@@ -87,7 +109,68 @@ pub(crate) fn spawn_acceptor_on(
     msg_rx: mpsc::Receiver<QueuedMsg>,
     reply_tx: mpsc::Sender<Outgoing>,
 ) -> tokio::task::JoinHandle<()> {
-    tokio::task::spawn_blocking(move || run_acceptor(&tl, msg_rx, reply_tx, Source::Recovery))
+    spawn_queue_acceptor(tl, msg_rx, reply_tx, Source::Recovery)
+}
+
+fn spawn_queue_acceptor(
+    tl: Arc<Timeline>,
+    rx: mpsc::Receiver<QueuedMsg>,
+    tx: mpsc::Sender<Outgoing>,
+    source: Source,
+) -> tokio::task::JoinHandle<()> {
+    // The acceptor logs in the caller's span (the timeline's).
+    let span = tracing::Span::current();
+    tokio::task::spawn_blocking(move || {
+        let mut link = QueueLink { rx, tx };
+        // A queue needs no I/O driver: the plain executor parks this thread between messages.
+        span.in_scope(|| futures::executor::block_on(run_acceptor(&tl, &mut link, source)));
+    })
+}
+
+/// An acceptor's queues ([`spawn_acceptor`]).
+struct QueueLink {
+    rx: mpsc::Receiver<QueuedMsg>,
+    tx: mpsc::Sender<Outgoing>,
+}
+
+impl QueueLink {
+    fn taken(&self, (msg, bytes): QueuedMsg) -> Input {
+        metrics::RECEIVER_QUEUE_DEPTH.dec();
+        metrics::RECEIVER_QUEUE_BYTES.sub(bytes as i64);
+        Input::Msg(msg)
+    }
+}
+
+impl Link for QueueLink {
+    fn try_next(&mut self) -> Option<Input> {
+        match self.rx.try_recv() {
+            Ok(m) => Some(self.taken(m)),
+            Err(TryRecvError::Empty) => None,
+            Err(TryRecvError::Disconnected) => Some(Input::End(None)),
+        }
+    }
+
+    async fn next(&mut self) -> Input {
+        match self.rx.recv().await {
+            Some(m) => self.taken(m),
+            None => Input::End(None),
+        }
+    }
+
+    async fn send(&mut self, out: Outgoing) -> bool {
+        self.tx.send(out).await.is_ok()
+    }
+}
+
+impl Drop for QueueLink {
+    /// Messages left in the queue will not be processed: keep the gauges right.
+    fn drop(&mut self) {
+        self.rx.close();
+        while let Ok((_, bytes)) = self.rx.try_recv() {
+            metrics::RECEIVER_QUEUE_DEPTH.dec();
+            metrics::RECEIVER_QUEUE_BYTES.sub(bytes as i64);
+        }
+    }
 }
 
 /// Queues `msg` for the acceptor, waiting while the queue is full (back-pressure). False if the
@@ -104,7 +187,9 @@ pub async fn enqueue(tx: &mpsc::Sender<QueuedMsg>, msg: ProposerAcceptorMessage)
 }
 
 /// Serves one `START_WAL_PUSH` connection until the proposer disconnects, an error ends it, or
-/// `shutdown` is cancelled (then queued messages are still processed and flushed).
+/// `shutdown` is cancelled (then what was written is still flushed). The connection moves to a
+/// thread of its own for the rest of its life (see the module's documentation).
+#[allow(clippy::result_large_err)] // the blocking thread's result is PqError, as every handler's
 pub async fn handle_wal_push<S>(
     mut conn: ServerConn<S>,
     timelines: Arc<GlobalTimelines>,
@@ -115,7 +200,7 @@ pub async fn handle_wal_push<S>(
     shutdown: CancellationToken,
 ) -> Result<(), PqError>
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + Rebind + Unpin + Send + 'static,
 {
     if proto_version != 3 {
         conn.send_error(ErrorFields::error(
@@ -129,14 +214,66 @@ where
         return Ok(());
     }
     conn.send_copy_both_response().await?;
-    let (mut reader, mut writer) = conn.split();
+    let ctx = Session {
+        timelines,
+        conn_ttid,
+        claims,
+        allow_creation,
+        shutdown,
+    };
+    let span = tracing::Span::current();
+    let session = tokio::task::spawn_blocking(move || {
+        let _entered = span.enter();
+        own_runtime_session(conn, ctx)
+    });
+    session
+        .await
+        .map_err(|e| PqError::Io(std::io::Error::other(e)))?
+}
 
-    // The greeting picks (or creates) the timeline.
-    let greeting = match read_proposer_msg(&mut reader).await {
+/// What a WAL push needs besides its connection.
+struct Session {
+    timelines: Arc<GlobalTimelines>,
+    /// The timeline the connection's options name, if they do.
+    conn_ttid: Option<TenantTimelineId>,
+    /// The client's token, if the daemon checks tokens.
+    claims: Option<Claims>,
+    allow_creation: bool,
+    shutdown: CancellationToken,
+}
+
+/// Runs [`push_session`] on a single-threaded runtime of this (blocking) thread, with the
+/// connection moved into it.
+#[allow(clippy::result_large_err)] // PqError, as every connection handler returns
+fn own_runtime_session<S>(mut conn: ServerConn<S>, ctx: Session) -> Result<(), PqError>
+where
+    S: AsyncRead + AsyncWrite + Rebind + Unpin,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(PqError::Io)?;
+    rt.block_on(async move {
+        conn.get_mut().rebind()?;
+        push_session(conn, ctx).await
+    })
+}
+
+/// The WAL push on its own thread: the greeting picks (or creates) the timeline, then the
+/// acceptor serves the socket.
+async fn push_session<S>(mut conn: ServerConn<S>, ctx: Session) -> Result<(), PqError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let read = tokio::select! {
+        r = read_proposer_msg(&mut conn) => r,
+        _ = ctx.shutdown.cancelled() => return Ok(()),
+    };
+    let greeting = match read {
         Ok(Some(ProposerAcceptorMessage::Greeting(g))) => g,
         Ok(Some(other)) => {
             return end_with_error(
-                &mut writer,
+                &mut conn,
                 ErrorFields::error(
                     sqlstate::PROTOCOL_VIOLATION,
                     format!("the first message must be a greeting, got {}", kind(&other)),
@@ -145,45 +282,28 @@ where
             .await;
         }
         Ok(None) => return Ok(()),
-        Err(ConnEnd::Client(e)) => return end_with_error(&mut writer, e).await,
+        Err(ConnEnd::Client(e)) => return end_with_error(&mut conn, e).await,
         Err(ConnEnd::Io(e)) => return Err(e),
     };
     // From here on every log line is about this timeline: its ids are fields of the span.
     let span = crate::timeline::span(&greeting.ttid());
-    accept(
-        reader,
-        writer,
-        timelines,
-        conn_ttid,
-        claims,
-        greeting,
-        allow_creation,
-        shutdown,
-    )
-    .instrument(span)
-    .await
+    accept(conn, ctx, greeting).instrument(span).await
 }
 
 /// The rest of a WAL push, once the greeting names the timeline.
-#[allow(clippy::too_many_arguments)] // the connection's parts, handed on from the greeting
 async fn accept<S>(
-    mut reader: ServerReader<ReadHalf<S>>,
-    mut writer: ServerWriter<WriteHalf<S>>,
-    timelines: Arc<GlobalTimelines>,
-    conn_ttid: Option<TenantTimelineId>,
-    claims: Option<Claims>,
+    mut conn: ServerConn<S>,
+    ctx: Session,
     greeting: ProposerGreeting,
-    allow_creation: bool,
-    shutdown: CancellationToken,
 ) -> Result<(), PqError>
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + Unpin,
 {
-    if let Some(ttid) = conn_ttid
+    if let Some(ttid) = ctx.conn_ttid
         && ttid != greeting.ttid()
     {
         return end_with_error(
-            &mut writer,
+            &mut conn,
             ErrorFields::error(
                 sqlstate::PROTOCOL_VIOLATION,
                 format!(
@@ -195,93 +315,147 @@ where
         .await;
     }
     // A tenant token pushes only to its tenant's timelines.
-    if let Some(claims) = &claims
+    if let Some(claims) = &ctx.claims
         && let Err(e) = check_permission(claims, Some(greeting.ttid().tenant_id))
     {
         return end_with_error(
-            &mut writer,
+            &mut conn,
             ErrorFields::error(sqlstate::INVALID_AUTHORIZATION_SPECIFICATION, e.to_string()),
         )
         .await;
     }
-    let tl = {
-        let timelines = timelines.clone();
-        let greeting = greeting.clone();
-        let span = tracing::Span::current();
-        tokio::task::spawn_blocking(move || {
-            span.in_scope(|| timelines.get_or_create(&greeting, allow_creation))
-        })
-        .await
-        .map_err(|e| PqError::Io(std::io::Error::other(e)))?
-    };
-    let tl = match tl {
+    // Blocking (it may create and fsync the timeline), which this thread may do.
+    let tl = match ctx.timelines.get_or_create(&greeting, ctx.allow_creation) {
         Ok(tl) => tl,
         Err(e) => {
-            return end_with_error(&mut writer, ErrorFields::error(e.sqlstate(), e.to_string()))
+            return end_with_error(&mut conn, ErrorFields::error(e.sqlstate(), e.to_string()))
                 .await;
         }
     };
     let _counted = tl.proposer_guard();
     tracing::info!("proposer connected");
 
-    let (reply_tx, reply_rx) = mpsc::channel(REPLY_QUEUE_SIZE);
-    let (msg_tx, acceptor) = spawn_acceptor(tl.clone(), reply_tx.clone(), Source::Proposer);
-    let writer_task = tokio::spawn(run_writer(writer, reply_rx).in_current_span());
+    let mut link = SocketLink {
+        conn,
+        // The greeting goes through the acceptor like every other message, in order.
+        first: Some(ProposerAcceptorMessage::Greeting(greeting)),
+        shutdown: ctx.shutdown,
+        deleted: tl.deleted().clone(),
+        ttid: tl.ttid,
+        buf: BytesMut::with_capacity(256),
+        read_failed: None,
+    };
+    run_acceptor(&tl, &mut link, Source::Proposer).await;
+    tracing::info!(positions = ?tl.positions(), "proposer disconnected");
+    match link.read_failed {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
 
-    // The greeting goes through the acceptor like every other message, in order.
-    let mut next = Some(ProposerAcceptorMessage::Greeting(greeting));
-    let result = loop {
-        if let Some(msg) = next.take()
-            && !enqueue(&msg_tx, msg).await
-        {
-            break Ok(()); // the acceptor stopped (and said why)
+/// A proposer's socket as the acceptor's [`Link`].
+struct SocketLink<S> {
+    conn: ServerConn<S>,
+    /// The greeting, read before the timeline was known.
+    first: Option<ProposerAcceptorMessage>,
+    shutdown: CancellationToken,
+    deleted: CancellationToken,
+    ttid: TenantTimelineId,
+    buf: BytesMut,
+    /// The socket failed while reading (the session's result).
+    read_failed: Option<PqError>,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> SocketLink<S> {
+    fn input(&mut self, r: Result<Option<ProposerAcceptorMessage>, ConnEnd>) -> Input {
+        match r {
+            Ok(Some(m)) => Input::Msg(m),
+            Ok(None) => Input::End(None),
+            Err(ConnEnd::Client(e)) => Input::End(Some(e)),
+            Err(ConnEnd::Io(e)) => {
+                self.read_failed = Some(e);
+                Input::End(None)
+            }
+        }
+    }
+
+    /// Why the stream must end now, if it must: shutdown or deletion.
+    fn stopped(&self) -> Option<Input> {
+        if self.shutdown.is_cancelled() {
+            return Some(shutting_down());
+        }
+        if self.deleted.is_cancelled() {
+            return Some(deleted(&self.ttid));
+        }
+        None
+    }
+}
+
+fn shutting_down() -> Input {
+    Input::End(Some(ErrorFields::fatal(
+        sqlstate::ADMIN_SHUTDOWN,
+        "the safekeeper is shutting down",
+    )))
+}
+
+fn deleted(ttid: &TenantTimelineId) -> Input {
+    Input::End(Some(ErrorFields::fatal(
+        sqlstate::UNDEFINED_OBJECT,
+        format!("timeline {ttid} was deleted on this safekeeper"),
+    )))
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Link for SocketLink<S> {
+    fn try_next(&mut self) -> Option<Input> {
+        if let Some(m) = self.first.take() {
+            return Some(Input::Msg(m));
+        }
+        if let Some(end) = self.stopped() {
+            return Some(end);
+        }
+        // One poll: a frame already buffered, or bytes the socket has now. Unconstrained, so
+        // tokio's cooperative budget never makes a ready socket look empty (which would cost
+        // an extra fdatasync). Cancellation-safe: a partial frame stays buffered.
+        let r = tokio::task::unconstrained(read_proposer_msg(&mut self.conn)).now_or_never()?;
+        Some(self.input(r))
+    }
+
+    async fn next(&mut self) -> Input {
+        if let Some(m) = self.first.take() {
+            return Input::Msg(m);
         }
         tokio::select! {
-            msg = read_proposer_msg(&mut reader) => match msg {
-                Ok(Some(m)) => next = Some(m),
-                Ok(None) => break Ok(()),
-                Err(ConnEnd::Client(e)) => {
-                    let _ = reply_tx.send(Outgoing::Error(e)).await;
-                    break Ok(());
+            r = read_proposer_msg(&mut self.conn) => self.input(r),
+            _ = self.shutdown.cancelled() => shutting_down(),
+            _ = self.deleted.cancelled() => deleted(&self.ttid),
+        }
+    }
+
+    async fn send(&mut self, out: Outgoing) -> bool {
+        let sent = match out {
+            Outgoing::Reply(reply) => {
+                self.buf.clear();
+                if let Err(e) = reply.encode(&mut self.buf) {
+                    tracing::error!("encoding a reply: {e}");
+                    return false;
                 }
-                Err(ConnEnd::Io(e)) => break Err(e),
-            },
-            _ = msg_tx.closed() => break Ok(()),
-            _ = shutdown.cancelled() => {
-                let _ = reply_tx
-                    .send(Outgoing::Error(ErrorFields::fatal(
-                        sqlstate::ADMIN_SHUTDOWN,
-                        "the safekeeper is shutting down",
-                    )))
-                    .await;
-                break Ok(());
+                self.conn.write_copy_data(&[&self.buf]);
+                self.conn.flush().await
             }
-            _ = tl.deleted().cancelled() => {
-                let _ = reply_tx
-                    .send(Outgoing::Error(ErrorFields::fatal(
-                        sqlstate::UNDEFINED_OBJECT,
-                        format!("timeline {} was deleted on this safekeeper", tl.ttid),
-                    )))
-                    .await;
-                break Ok(());
+            Outgoing::Error(e) => {
+                tracing::warn!("ending WAL push: {}", e.message);
+                self.conn.write_message(&BackendMessage::ErrorResponse(e));
+                self.conn.shutdown().await
+            }
+        };
+        match sent {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!("writing to the proposer: {e}");
+                false
             }
         }
-    };
-    // Closing the queue makes the acceptor flush what it has and exit; then the writer drains.
-    drop(msg_tx);
-    drop(reply_tx);
-    if let Err(e) = acceptor.await {
-        tracing::error!("WAL acceptor task failed: {e}");
     }
-    match writer_task.await {
-        Ok(Err(e)) if result.is_ok() => {
-            tracing::debug!("writing to the proposer: {e}");
-        }
-        Err(e) => tracing::error!("WAL writer task failed: {e}"),
-        _ => {}
-    }
-    tracing::info!(positions = ?tl.positions(), "proposer disconnected");
-    result
 }
 
 /// How a connection's input ended, other than cleanly.
@@ -294,10 +468,10 @@ enum ConnEnd {
 
 /// Reads the next protocol message. `Ok(None)` on a clean end (EOF, Terminate, CopyDone).
 /// Cancellation-safe: the underlying read is.
-async fn read_proposer_msg<R: AsyncRead + Unpin>(
-    reader: &mut ServerReader<R>,
+async fn read_proposer_msg<S: AsyncRead + AsyncWrite + Unpin>(
+    conn: &mut ServerConn<S>,
 ) -> Result<Option<ProposerAcceptorMessage>, ConnEnd> {
-    match reader.read_message().await {
+    match conn.read_message().await {
         Ok(Some(FrontendMessage::CopyData(frame))) => {
             match ProposerAcceptorMessage::decode(&frame) {
                 Ok(
@@ -346,33 +520,35 @@ fn wal_len(m: &ProposerAcceptorMessage) -> usize {
     }
 }
 
-/// The acceptor loop (blocking thread). Returns when the queue closes or an error ends the
-/// connection; flushes written WAL before returning.
-fn run_acceptor(
-    tl: &Timeline,
-    mut rx: mpsc::Receiver<QueuedMsg>,
-    tx: mpsc::Sender<Outgoing>,
-    source: Source,
-) {
+/// The acceptor loop. Returns when the input ends or an error ends the connection; flushes
+/// written WAL before returning (and before sending the error that ends a stream).
+async fn run_acceptor<L: Link>(tl: &Timeline, link: &mut L, source: Source) {
+    let mut link = Acks { link, last: None };
+    let link = &mut link;
     let mut dirty = false;
     let mut last_flush = Instant::now();
+    let mut ending = None;
+    // Whether the ending error is a refusal of the last message (then it goes out first, as
+    // the answer to that message).
+    let mut refused = false;
     loop {
-        let (msg, bytes) = match rx.try_recv() {
-            Ok(m) => m,
-            Err(TryRecvError::Empty) => {
-                // The queue drained: one fdatasync covers the whole batch.
-                if dirty && !flush(tl, &tx, &mut dirty, &mut last_flush) {
+        let input = match link.try_next() {
+            Some(input) => input,
+            None => {
+                // Nothing more has arrived: one fdatasync covers the whole batch.
+                if dirty && !flush(tl, link, &mut dirty, &mut last_flush).await {
                     break;
                 }
-                match rx.blocking_recv() {
-                    Some(m) => m,
-                    None => break,
-                }
+                link.next().await
             }
-            Err(TryRecvError::Disconnected) => break,
         };
-        metrics::RECEIVER_QUEUE_DEPTH.dec();
-        metrics::RECEIVER_QUEUE_BYTES.sub(bytes as i64);
+        let msg = match input {
+            Input::Msg(m) => m,
+            Input::End(e) => {
+                ending = e;
+                break;
+            }
+        };
         let label = kind(&msg);
         let msg = match msg {
             ProposerAcceptorMessage::AppendRequest(a) => {
@@ -390,7 +566,7 @@ fn run_acceptor(
             Ok(reply) => {
                 metrics::count_proposer_message(label, true);
                 if let Some(reply) = reply
-                    && tx.blocking_send(Outgoing::Reply(reply)).is_err()
+                    && !link.send(Outgoing::Reply(reply)).await
                 {
                     break;
                 }
@@ -398,35 +574,65 @@ fn run_acceptor(
             Err(e) => {
                 metrics::count_proposer_message(label, false);
                 tracing::warn!("{label} refused: {e}");
-                let _ = tx.blocking_send(Outgoing::Error(ErrorFields::error(
-                    sqlstate::INTERNAL_ERROR,
-                    e.to_string(),
-                )));
+                ending = Some(ErrorFields::error(sqlstate::INTERNAL_ERROR, e.to_string()));
+                refused = true;
                 break;
             }
         }
         if dirty
             && last_flush.elapsed() >= FLUSH_INTERVAL
-            && !flush(tl, &tx, &mut dirty, &mut last_flush)
+            && !flush(tl, link, &mut dirty, &mut last_flush).await
         {
             break;
         }
     }
-    // Whatever was written is made durable before the connection is gone (neon #9259).
-    if dirty {
-        flush(tl, &tx, &mut dirty, &mut last_flush);
+    if refused && let Some(e) = ending.take() {
+        link.send(Outgoing::Error(e)).await;
     }
-    // Messages left in the queue will not be processed: keep the gauges right.
-    rx.close();
-    while let Ok((_, bytes)) = rx.try_recv() {
-        metrics::RECEIVER_QUEUE_DEPTH.dec();
-        metrics::RECEIVER_QUEUE_BYTES.sub(bytes as i64);
+    // Whatever was written is made durable before the connection is gone (neon #9259); a
+    // proposer told to go (shutdown, deletion, a bad frame) gets that flush's reply first.
+    if dirty {
+        flush(tl, link, &mut dirty, &mut last_flush).await;
+    }
+    if let Some(e) = ending {
+        link.send(Outgoing::Error(e)).await;
     }
 }
 
-/// Makes written WAL durable and queues the reply that says so. False if the connection must
+/// A link that leaves out an `AppendResponse` identical to the last one sent: it tells the
+/// proposer nothing new. That is the answer to a commit-only append (the proposer sends one
+/// to every member after each commit) or to a heartbeat when nothing moved; leaving it out
+/// spares the proposer a wake-up per member and commit. The first acknowledgement on a
+/// connection always goes out (a proposer counts a member's start point in its term from
+/// it), and any change (flush or persisted commit LSN, term, feedback) does.
+struct Acks<'a, L> {
+    link: &'a mut L,
+    last: Option<sk_core::protocol::AppendResponse>,
+}
+
+impl<L: Link> Link for Acks<'_, L> {
+    fn try_next(&mut self) -> Option<Input> {
+        self.link.try_next()
+    }
+
+    async fn next(&mut self) -> Input {
+        self.link.next().await
+    }
+
+    async fn send(&mut self, out: Outgoing) -> bool {
+        if let Outgoing::Reply(AcceptorProposerMessage::AppendResponse(r)) = &out {
+            if self.last.as_ref() == Some(r) {
+                return true;
+            }
+            self.last = Some(r.clone());
+        }
+        self.link.send(out).await
+    }
+}
+
+/// Makes written WAL durable and sends the reply that says so. False if the connection must
 /// end.
-fn flush(tl: &Timeline, tx: &mpsc::Sender<Outgoing>, dirty: &mut bool, last: &mut Instant) -> bool {
+async fn flush<L: Link>(tl: &Timeline, link: &mut L, dirty: &mut bool, last: &mut Instant) -> bool {
     let started = Instant::now();
     let result = tl.process_msg(&ProposerAcceptorMessage::FlushWAL);
     metrics::WAL_FLUSH_SECONDS.observe(started.elapsed().as_secs_f64());
@@ -435,62 +641,95 @@ fn flush(tl: &Timeline, tx: &mpsc::Sender<Outgoing>, dirty: &mut bool, last: &mu
     *last = Instant::now();
     match result {
         Ok(Some(reply)) => {
-            // A closed reply queue is fine here: the WAL is durable either way.
-            let _ = tx.blocking_send(Outgoing::Reply(reply));
+            // A reply that cannot be sent is fine here: the WAL is durable either way, and
+            // the input says soon whether the proposer is gone.
+            link.send(Outgoing::Reply(reply)).await;
             true
         }
         Ok(None) => true,
         Err(e) => {
             tracing::error!("flushing WAL: {e}");
-            let _ = tx.blocking_send(Outgoing::Error(ErrorFields::error(
+            link.send(Outgoing::Error(ErrorFields::error(
                 sqlstate::INTERNAL_ERROR,
                 format!("flushing WAL: {e}"),
-            )));
+            )))
+            .await;
             false
         }
     }
 }
 
-/// Sends replies until the queue closes or an error reply ends the stream.
-async fn run_writer<W: AsyncWrite + Unpin>(
-    mut writer: ServerWriter<W>,
-    mut rx: mpsc::Receiver<Outgoing>,
-) -> Result<(), PqError> {
-    let mut buf = BytesMut::with_capacity(256);
-    while let Some(out) = rx.recv().await {
-        let mut next = Some(out);
-        // Batch whatever is queued into one socket write.
-        while let Some(out) = next.take() {
-            match out {
-                Outgoing::Reply(reply) => {
-                    buf.clear();
-                    if let Err(e) = reply.encode(&mut buf) {
-                        tracing::error!("encoding a reply: {e}");
-                        return Ok(());
-                    }
-                    writer.write_copy_data(&[&buf]);
-                }
-                Outgoing::Error(e) => {
-                    writer.write_message(&BackendMessage::ErrorResponse(e));
-                    writer.flush().await?;
-                    writer.shutdown().await?;
-                    return Ok(());
-                }
-            }
-            next = rx.try_recv().ok();
-        }
-        writer.flush().await?;
-    }
-    Ok(())
-}
-
 /// Ends the stream with an error the client can read.
-async fn end_with_error<W: AsyncWrite + Unpin>(
-    writer: &mut ServerWriter<W>,
+async fn end_with_error<S: AsyncRead + AsyncWrite + Unpin>(
+    conn: &mut ServerConn<S>,
     e: ErrorFields,
 ) -> Result<(), PqError> {
     tracing::warn!("ending WAL push: {}", e.message);
-    writer.write_message(&BackendMessage::ErrorResponse(e));
-    writer.flush().await?;
-    writer.shutdown().await
+    conn.write_message(&BackendMessage::ErrorResponse(e));
+    conn.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sk_core::protocol::AppendResponse;
+    use sk_core::types::{Generation, Lsn, Term};
+
+    /// A link that records what is sent.
+    #[derive(Default)]
+    struct Recorder(Vec<Outgoing>);
+
+    impl Link for Recorder {
+        fn try_next(&mut self) -> Option<Input> {
+            None
+        }
+
+        async fn next(&mut self) -> Input {
+            Input::End(None)
+        }
+
+        async fn send(&mut self, out: Outgoing) -> bool {
+            self.0.push(out);
+            true
+        }
+    }
+
+    fn ack(flush: u64) -> Outgoing {
+        let mut r = AppendResponse::term_only(Generation(0), Term(2));
+        r.flush_lsn = Lsn(flush);
+        Outgoing::Reply(AcceptorProposerMessage::AppendResponse(r))
+    }
+
+    #[test]
+    fn identical_acknowledgements_are_sent_once_and_every_change_is_sent() {
+        let mut rec = Recorder::default();
+        let mut acks = Acks {
+            link: &mut rec,
+            last: None,
+        };
+        futures::executor::block_on(async {
+            // The first one always goes out (a start point's acknowledgement).
+            assert!(acks.send(ack(100)).await);
+            // A commit-only append's answer: nothing moved.
+            assert!(acks.send(ack(100)).await);
+            assert!(acks.send(ack(200)).await);
+            assert!(acks.send(ack(200)).await);
+            // Errors always go out.
+            acks.send(Outgoing::Error(ErrorFields::error(
+                sqlstate::INTERNAL_ERROR,
+                "x",
+            )))
+            .await;
+        });
+        let flushes: Vec<_> = rec
+            .0
+            .iter()
+            .map(|o| match o {
+                Outgoing::Reply(AcceptorProposerMessage::AppendResponse(r)) => r.flush_lsn.0,
+                Outgoing::Error(_) => 0,
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(flushes, vec![100, 200, 0]);
+    }
 }

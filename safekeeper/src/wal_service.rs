@@ -19,7 +19,7 @@ use tracing::Instrument;
 
 use crate::auth::{AuthError, Claims, JwtAuth, Scope, check_permission};
 use crate::command::{ReplicationCommand, parse_command, parse_options};
-use crate::limits::{ConnectionLimit, IdleTimeout};
+use crate::limits::{ConnectionLimit, IdleTimeout, Socket};
 use crate::metrics;
 use crate::receive_wal::handle_wal_push;
 use crate::registry::GlobalTimelines;
@@ -33,7 +33,6 @@ use pq_proto::server::{ServerConfig, ServerConn};
 use pq_proto::stream::MaybeTls;
 use pq_proto::{ErrorFields, FrontendMessage, sqlstate};
 use sk_core::types::TenantTimelineId;
-use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 
 /// How the listener serves connections: protocol settings and limits.
@@ -109,7 +108,7 @@ pub async fn run(
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
             let _slot = slot;
-            let stream = IdleTimeout::new(stream, conf.idle_timeout);
+            let stream = IdleTimeout::new(Socket::new(stream), conf.idle_timeout);
             match handle_connection(stream, timelines, &conf, shutdown).await {
                 Ok(()) => metrics::PG_CONNECTIONS.with_label_values(&["ok"]).inc(),
                 Err(e) => {
@@ -122,10 +121,10 @@ pub async fn run(
 }
 
 /// A connection's stream: the socket under the idle timeout, plain or TLS.
-type ConnStream = MaybeTls<IdleTimeout<TcpStream>, Box<TlsStream<IdleTimeout<TcpStream>>>>;
+type ConnStream = MaybeTls<IdleTimeout<Socket>, Box<TlsStream<IdleTimeout<Socket>>>>;
 
 async fn handle_connection(
-    stream: IdleTimeout<TcpStream>,
+    stream: IdleTimeout<Socket>,
     timelines: Arc<GlobalTimelines>,
     conf: &WalServiceConf,
     shutdown: CancellationToken,
@@ -410,7 +409,7 @@ where
 /// a client that does not ask (sslmode=disable) is refused with FATAL 28000. Without TLS the
 /// stream stays plain (and an SSLRequest is answered `N` by the handshake).
 async fn negotiate_tls(
-    stream: IdleTimeout<TcpStream>,
+    stream: IdleTimeout<Socket>,
     conf: &WalServiceConf,
 ) -> Result<ServerConn<ConnStream>, PqError> {
     let mut conn = ServerConn::new(stream, conf.server.clone());

@@ -15,6 +15,10 @@
 //! - `e2e_backup/backup={off,on}/size=131072`: 3 safekeepers, 128 KiB pipelined, without and
 //!   with `--remote-storage file://` (backup of complete segments beside the data directory, or
 //!   under `$WAL_BENCH_BACKUP_DIR`), in the same run: the ratio is what WAL backup costs ingest.
+//! - `echo_rtt/size=8192`: the physical limit beside the commits: one round trip to a
+//!   zero-cost echo peer in another process (`src/bin/echo-peer.rs`): an 8 KiB frame out, a
+//!   64-byte reply back, blocking I/O on both ends. Throughput: round trips. One end-to-end
+//!   commit cannot beat one of these plus one `fdatasync`.
 //! - `e2e_connect/{plain,tls,jwt,tls+jwt}`: connection set-up: TCP connect, TLS handshake,
 //!   startup and authentication (a JWT checked against an Ed25519 key) until ReadyForQuery.
 //!   Throughput: connections.
@@ -35,7 +39,7 @@ use safekeeper::daemon;
 use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use wal_bench::{KIB, SEG_SIZE, START, SYSID, runtime, temp_dir, ttid, volume};
+use wal_bench::{KIB, SEG_SIZE, START, SYSID, temp_dir, ttid, volume};
 use walproposer::conn::SafekeeperAddr;
 use walproposer::synthetic::{self, SyntheticOptions};
 use walproposer::tls::{ClientTls, SslMode};
@@ -259,8 +263,69 @@ fn run_times(
         .sum()
 }
 
+/// The echo peer process; killed when dropped.
+struct EchoPeer {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl EchoPeer {
+    fn start() -> EchoPeer {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_echo-peer"))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting echo-peer");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("echo-peer's port");
+        let port = line.trim().parse().expect("a port number");
+        EchoPeer { child, port }
+    }
+}
+
+impl Drop for EchoPeer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Round trips to a zero-cost peer in another process: the loopback part of a commit's limit.
+fn echo_rtt(c: &mut Criterion) {
+    use std::io::{Read, Write};
+    let peer = EchoPeer::start();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", peer.port)).expect("connect");
+    s.set_nodelay(true).expect("nodelay");
+    let size = 8 * KIB;
+    let mut frame = (size as u32).to_be_bytes().to_vec();
+    frame.resize(4 + size, b'x');
+    let mut reply = [0u8; 64];
+    let mut g = c.benchmark_group("echo_rtt");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function(format!("size={size}"), |b| {
+        b.iter(|| {
+            s.write_all(&frame).expect("write");
+            s.read_exact(&mut reply).expect("read");
+        })
+    });
+    g.finish();
+}
+
 fn e2e(c: &mut Criterion) {
-    let rt = runtime();
+    // The proposer's runtime, as the walproposer binary's: one thread (see its docs). Each
+    // daemon's WAL connections run on threads of their own. WAL_BENCH_PROPOSER_RUNTIME=multi
+    // gives it 2 worker threads instead (what that hand-off costs a commit).
+    let rt = if std::env::var("WAL_BENCH_PROPOSER_RUNTIME").as_deref() == Ok("multi") {
+        wal_bench::runtime()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    };
     let secrets = secrets();
     let secrets = &secrets;
     let total = volume().min(256 << 20);
@@ -400,6 +465,6 @@ fn e2e(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = wal_bench::criterion();
-    targets = e2e
+    targets = echo_rtt, e2e
 }
 criterion_main!(benches);

@@ -9,6 +9,12 @@
 //! - `rewrite`: the zero-filled file, but every write goes to offset 0 (what `pg_test_fsync`'s
 //!   "one 8kB write" test actually does: it seeks back after each fdatasync).
 //!
+//! `fdatasync_quorum/files={1,3}/size=8192`: the disk's part of a quorum commit when every node
+//! shares this one disk (as the 3-node benches and tests here do): `files` threads each write
+//! 8 KiB into a zero-filled file of their own and `fdatasync` it, all at once; an iteration is
+//! the time until a majority (1 of 1, 2 of 3) is durable. `files=1` is the same harness with
+//! one node, so the ratio of the two is what sharing one disk costs a 3-node commit.
+//!
 //! `stdlib` uses `std::fs::File` (`pwrite`); `tokio` uses `tokio::fs::File` (each call hops to
 //! the blocking pool). Throughput: bytes written. Resets (truncation, re-preallocation) happen
 //! outside the timed region.
@@ -167,9 +173,80 @@ fn tokio_fs(c: &mut Criterion) {
     g.finish();
 }
 
+/// Concurrent `pwrite`+`fdatasync` rounds on `files` files, timed to a majority's completion.
+fn fdatasync_quorum(c: &mut Criterion) {
+    use std::sync::{Arc, Barrier, Mutex};
+    let size = 8 * KIB;
+    let mut g = c.benchmark_group("fdatasync_quorum");
+    g.throughput(Throughput::Elements(1));
+    for files in [1usize, 3] {
+        let dir = temp_dir().expect("bench dir");
+        let start = Arc::new(Barrier::new(files + 1));
+        let end = Arc::new(Barrier::new(files + 1));
+        // Per round: each node's completion time; `None` tells the nodes to exit.
+        let round: Arc<Mutex<Option<Vec<Instant>>>> = Arc::new(Mutex::new(Some(Vec::new())));
+        let nodes: Vec<_> = (0..files)
+            .map(|i| {
+                let f = prepare(&dir.path().join(format!("node{i}")), Kind::Zeroed);
+                let (start, end, round) = (start.clone(), end.clone(), round.clone());
+                std::thread::spawn(move || {
+                    let buf = vec![0x5au8; size];
+                    let mut off = 0u64;
+                    loop {
+                        start.wait();
+                        if round.lock().expect("round").is_none() {
+                            return;
+                        }
+                        f.write_all_at(&buf, off).expect("write");
+                        f.sync_data().expect("fdatasync");
+                        let done = Instant::now();
+                        round
+                            .lock()
+                            .expect("round")
+                            .as_mut()
+                            .expect("round")
+                            .push(done);
+                        off = (off + size as u64) % REGION;
+                        end.wait();
+                    }
+                })
+            })
+            .collect();
+        g.bench_function(
+            BenchmarkId::new(format!("files={files}"), format!("size={size}")),
+            |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        round
+                            .lock()
+                            .expect("round")
+                            .as_mut()
+                            .expect("round")
+                            .clear();
+                        let t = Instant::now();
+                        start.wait();
+                        end.wait();
+                        let mut done = round.lock().expect("round").clone().expect("round");
+                        done.sort();
+                        total += done[files / 2] - t;
+                    }
+                    total
+                })
+            },
+        );
+        *round.lock().expect("round") = None;
+        start.wait();
+        for n in nodes {
+            n.join().expect("node thread");
+        }
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = wal_bench::criterion();
-    targets = stdlib, tokio_fs
+    targets = stdlib, tokio_fs, fdatasync_quorum
 }
 criterion_main!(benches);

@@ -10,6 +10,11 @@
 //!   payload bytes.
 //! - `durable_commit/fsync=true/size=8192`: single stream, one 8 KiB record per append, each
 //!   waiting for its flush ack before the next is sent (compare with `pg_test_fsync`).
+//! - `heap_profile_ingest/fsync=false/size={8,8192,131072}`: the throughput bench at the append
+//!   sizes whose heap-profiling cost is reported (`scripts/bench-report` runs it under
+//!   `MALLOC_CONF=prof:false` and with the default `prof:true`, same binary, alternated):
+//!   `fsync=false`, so allocation is not hidden behind the disk. 8-byte appends use 1/8 of
+//!   `$WAL_BENCH_VOLUME` (one record each: ~64 WAL bytes).
 //! - `cpu_profile/profiler={off,99hz}/fsync=false/size=131072`: the throughput bench with and
 //!   without a 99 Hz CPU profile of the whole process running, side by side.
 
@@ -142,6 +147,21 @@ fn durable_commit(c: &mut Criterion) {
     g.finish();
 }
 
+fn heap_profile_ingest(c: &mut Criterion) {
+    let rt = runtime();
+    let mut g = c.benchmark_group("heap_profile_ingest");
+    g.sampling_mode(SamplingMode::Flat);
+    for size in [8, 8 * KIB, 128 * KIB] {
+        let vol = if size < KIB { volume() / 8 } else { volume() };
+        let w = Workload::new(size, 1, vol, true);
+        g.throughput(Throughput::Bytes(w.payload_bytes));
+        g.bench_function(format!("fsync=false/size={size}"), |b| {
+            b.iter_custom(|iters| (0..iters).map(|_| push_volume(&rt, &w, false)).sum())
+        });
+    }
+    g.finish();
+}
+
 fn cpu_profile(c: &mut Criterion) {
     let rt = runtime();
     let size = 128 * KIB;
@@ -168,6 +188,6 @@ fn cpu_profile(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = wal_bench::criterion();
-    targets = wal_acceptor, throughput, durable_commit, cpu_profile
+    targets = wal_acceptor, throughput, durable_commit, heap_profile_ingest, cpu_profile
 }
 criterion_main!(benches);

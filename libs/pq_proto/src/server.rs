@@ -520,6 +520,25 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
         )
     }
 
+    /// The underlying stream, to adjust it in place (buffered bytes stay).
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.stream
+    }
+
+    /// Appends a CopyData whose payload is the concatenation of `parts` (sent by
+    /// [`Self::flush`]).
+    pub fn write_copy_data(&mut self, parts: &[&[u8]]) {
+        put_copy_data(&mut self.write_buf, parts);
+    }
+
+    /// Flushes, then shuts down the write direction (the client sees EOF).
+    pub async fn shutdown(&mut self) -> Result<(), PqError> {
+        use tokio::io::AsyncWriteExt;
+        self.flush().await?;
+        self.stream.shutdown().await?;
+        Ok(())
+    }
+
     /// The underlying stream (buffered bytes are dropped).
     pub fn into_inner(self) -> S {
         self.stream

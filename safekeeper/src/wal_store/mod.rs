@@ -95,6 +95,15 @@ pub struct WalFileOptions {
 const COALESCE_BELOW: usize = 64 * 1024;
 /// Most bytes gathered before they are written out.
 const COALESCE_MAX: usize = 512 * 1024;
+/// A stream whose flushes cover less WAL than this is commit-bound: each `fdatasync` waits on
+/// one small commit. Its appends into a sparse segment are preceded by zeros written ahead
+/// ([`ZERO_AHEAD`] at a time), so the blocks are allocated once per chunk instead of once per
+/// `fdatasync` (an allocating `fdatasync` also commits file-system metadata: ~1.6x the time of
+/// one into allocated blocks on ext4, see `file_write/.../file={sparse,zeroed}`). A faster
+/// stream's flushes cover more and it would only pay the second write in bandwidth.
+const ZERO_AHEAD_BELOW_BATCH: u64 = 64 * 1024;
+/// Bytes of zeros written ahead of a commit-bound stream's appends at a time.
+const ZERO_AHEAD: u64 = 256 * 1024;
 
 /// WAL of one timeline in segment files.
 #[derive(Debug)]
@@ -127,6 +136,12 @@ pub struct WalFileStore {
     pending_truncation: bool,
     /// Background preparation of the next segment.
     prep: Preparer,
+    /// `(segno, offset)`: the `.partial` segment `segno` holds written blocks (WAL or zeros)
+    /// up to `offset`; `None`: nothing known past `write_lsn`.
+    allocated: Option<(u64, u64)>,
+    /// Whether the last flush covered less than [`ZERO_AHEAD_BELOW_BATCH`] (zeros are then
+    /// written ahead of appends into sparse space).
+    commit_bound: bool,
 }
 
 impl WalFileStore {
@@ -195,6 +210,8 @@ impl WalFileStore {
             pending: Vec::new(),
             pending_truncation: true,
             prep,
+            allocated: None,
+            commit_bound: false,
         })
     }
 
@@ -353,8 +370,22 @@ impl WalFileStore {
     /// (or zero-filled) file. Then starts preparing the next one if WAL arrives slowly.
     fn new_segment(&mut self, segno: u64) -> Result<(SegmentFile, PathBuf)> {
         let created = match self.prep.take(segno)? {
-            Some(prepared) => prepared,
-            None => create_segment(&self.dir, segno, self.seg_size, &self.opts)?,
+            Some(prepared) => {
+                self.allocated = Some((segno, self.seg_size));
+                prepared
+            }
+            None => {
+                let created = create_segment(&self.dir, segno, self.seg_size, &self.opts)?;
+                self.allocated = Some((
+                    segno,
+                    if self.opts.zero_fill {
+                        self.seg_size
+                    } else {
+                        0
+                    },
+                ));
+                created
+            }
         };
         self.prep.segment_opened(segno);
         Ok(created)
@@ -381,6 +412,35 @@ impl WalFileStore {
             self.pending.clear(); // keeps the capacity
         }
         written
+    }
+
+    /// Before WAL `[off, end)` of segment `segno` is accepted (`off` is `write_lsn`'s offset):
+    /// for a commit-bound stream, makes sure the blocks under it are allocated by writing
+    /// [`ZERO_AHEAD`] bytes of zeros from the first byte not known to be allocated. Only ever
+    /// at or past `write_lsn`, where the segment holds no WAL (gathered bytes lie below it).
+    /// Best effort: if the zeros cannot be written, the WAL write says why.
+    fn zero_ahead(&mut self, segno: u64, off: u64, end: u64) {
+        if !self.commit_bound || self.opts.zero_fill {
+            return;
+        }
+        let known = match self.allocated {
+            Some((s, a)) if s == segno => a,
+            _ => 0,
+        };
+        if end <= known {
+            return;
+        }
+        let from = known.max(off);
+        let to = (end.max(from) + ZERO_AHEAD).min(self.seg_size);
+        let zeroed = self.with_segment(segno, |seg| {
+            seg.dirty = true;
+            write_zeros(&*seg.file, from, to)
+                .map_err(|e| Error::io(format!("writing zeros ahead in {}", seg.path.display()), e))
+        });
+        match zeroed {
+            Ok(()) => self.allocated = Some((segno, to)),
+            Err(e) => tracing::debug!("{e}"),
+        }
     }
 
     /// The write reached the end of segment `segno`: make it durable and give it its final name.
@@ -471,6 +531,7 @@ impl WalStore for WalFileStore {
             let last_end = decoder.feed(piece).map_err(|e| {
                 Error::Rejected(format!("WAL written at {pos} does not decode: {e}"))
             })?;
+            self.zero_ahead(segno, off, off + n as u64);
             if piece.len() < COALESCE_BELOW && off + (n as u64) < self.seg_size {
                 // Gathered; written out with its neighbours (before any fsync).
                 if self.pending.len() + piece.len() > COALESCE_MAX {
@@ -519,6 +580,8 @@ impl WalStore for WalFileStore {
             self.pending.clear();
         }
         self.pending_truncation = true;
+        // A sparse tail past `end` is deallocated below.
+        self.allocated = None;
         // LSNs move first: the deletions below cannot be undone, so nothing may report WAL
         // past `end` from here on, even if truncation fails half-way.
         self.write_lsn = end;
@@ -587,6 +650,7 @@ impl WalStore for WalFileStore {
         if self.flush_byte_lsn == self.write_lsn {
             return Ok(());
         }
+        self.commit_bound = self.write_lsn.0 - self.flush_byte_lsn.0 < ZERO_AHEAD_BELOW_BATCH;
         self.write_out_pending()?;
         let no_sync = self.opts.no_sync;
         let synced = self.file.with_open(|seg| {
