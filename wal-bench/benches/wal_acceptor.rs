@@ -10,11 +10,12 @@
 //!   payload bytes.
 //! - `durable_commit/fsync=true/size=8192`: single stream, one 8 KiB record per append, each
 //!   waiting for its flush ack before the next is sent (compare with `pg_test_fsync`).
-//! - `heap_profile_ingest/fsync=false/size={8,8192,131072}`: the throughput bench at the append
-//!   sizes whose heap-profiling cost is reported (`scripts/bench-report` runs it under
-//!   `MALLOC_CONF=prof:false` and with the default `prof:true`, same binary, alternated):
-//!   `fsync=false`, so allocation is not hidden behind the disk. 8-byte appends use 1/8 of
-//!   `$WAL_BENCH_VOLUME` (one record each: ~64 WAL bytes).
+//! - `heap_profile_ingest/fsync=false/size={8,8192,131072}`: ingest at the append sizes whose
+//!   heap-profiling cost is reported (`scripts/bench-report` runs it under
+//!   `MALLOC_CONF=prof:false` and with the default `prof:true`, same binary, alternated): what
+//!   a proposer connection's thread runs, `process_msg` of every append then one flush, on one
+//!   thread, so no wake-up noise hides allocation costs; `fsync=false`, so the disk does not
+//!   either. 8-byte appends use 1/8 of `$WAL_BENCH_VOLUME` (one record each: ~64 WAL bytes).
 //! - `cpu_profile/profiler={off,99hz}/fsync=false/size=131072`: the throughput bench with and
 //!   without a 99 Hz CPU profile of the whole process running, side by side.
 
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
+use sk_core::protocol::ProposerAcceptorMessage;
 use tokio::runtime::Runtime;
 use wal_bench::{Acceptor, CpuProfile, Env, KIB, MIB, Workload, runtime, volume};
 
@@ -148,15 +150,40 @@ fn durable_commit(c: &mut Criterion) {
 }
 
 fn heap_profile_ingest(c: &mut Criterion) {
-    let rt = runtime();
     let mut g = c.benchmark_group("heap_profile_ingest");
     g.sampling_mode(SamplingMode::Flat);
     for size in [8, 8 * KIB, 128 * KIB] {
         let vol = if size < KIB { volume() / 8 } else { volume() };
         let w = Workload::new(size, 1, vol, true);
+        // What a proposer connection's thread runs per message (no queue, no other thread):
+        // every append without a flush, then one flush.
+        let msgs: Vec<_> = w
+            .msgs
+            .iter()
+            .map(|m| match m {
+                ProposerAcceptorMessage::AppendRequest(a) => {
+                    ProposerAcceptorMessage::NoFlushAppendRequest(a.clone())
+                }
+                other => other.clone(),
+            })
+            .collect();
         g.throughput(Throughput::Bytes(w.payload_bytes));
         g.bench_function(format!("fsync=false/size={size}"), |b| {
-            b.iter_custom(|iters| (0..iters).map(|_| push_volume(&rt, &w, false)).sum())
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let env = Env::new(false).expect("bench env");
+                    let t = Instant::now();
+                    for m in &msgs {
+                        std::hint::black_box(env.tl.process_msg(m).expect("append"));
+                    }
+                    env.tl
+                        .process_msg(&ProposerAcceptorMessage::FlushWAL)
+                        .expect("flush");
+                    total += t.elapsed();
+                }
+                total
+            })
         });
     }
     g.finish();

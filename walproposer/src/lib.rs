@@ -727,26 +727,14 @@ async fn serve(
 ) -> Result<Done, String> {
     let mut batch = Vec::new();
     loop {
-        let (close, finish) = {
-            let mut st = shared.lock();
-            let mut close = None;
-            while let Some(out) = st.out[sk].pop_front() {
-                match out {
-                    Out::Msg(c, msg) if c == conn => batch.push(msg),
-                    Out::Close(c, reason) if c == conn => {
-                        close = Some(Err(reason));
-                        break;
-                    }
-                    Out::Reconnect(c) if c == conn => {
-                        close = Some(Ok(Done::Reconnect));
-                        break;
-                    }
-                    _ => {} // for a connection that is gone
-                }
-            }
-            let p = *shared.progress.borrow();
-            (close, p.finishing && st.core.caught_up(sk))
-        };
+        let (mut close, mut finish) = take_queued(shared, sk, conn, &mut batch);
+        if close.is_none() && !finish && !batch.is_empty() && batch.iter().all(is_bare_append) {
+            // Only a commit LSN to pass on (the proposer just committed): give the WAL source,
+            // woken by the same commit, one turn to push more, so the commit LSN rides on that
+            // append instead of costing every member a message and a wake-up of its own.
+            tokio::task::yield_now().await;
+            (close, finish) = take_queued(shared, sk, conn, &mut batch);
+        }
         for msg in batch.drain(..) {
             writer.queue(&msg).map_err(|e| e.to_string())?;
         }
@@ -777,6 +765,58 @@ async fn serve(
             return Ok(Done::Stopped);
         }
     }
+}
+
+/// Moves what the core queued for connection `conn` of `sk` into `batch`. Returns whether the
+/// connection is to end, and (under the same lock, so nothing queued is left behind) whether
+/// a finishing stream has been given everything.
+fn take_queued(
+    shared: &Shared,
+    sk: SkId,
+    conn: ConnId,
+    batch: &mut Vec<ProposerAcceptorMessage>,
+) -> (Option<Result<Done, String>>, bool) {
+    let mut st = shared.lock();
+    let mut close = None;
+    while let Some(out) = st.out[sk].pop_front() {
+        match out {
+            Out::Msg(c, msg) if c == conn => push_coalesced(batch, msg),
+            Out::Close(c, reason) if c == conn => {
+                close = Some(Err(reason));
+                break;
+            }
+            Out::Reconnect(c) if c == conn => {
+                close = Some(Ok(Done::Reconnect));
+                break;
+            }
+            _ => {} // for a connection that is gone
+        }
+    }
+    let finish = shared.progress.borrow().finishing && st.core.caught_up(sk);
+    (close, finish)
+}
+
+/// An append that carries no WAL: it only passes on the commit and truncate LSNs (or probes).
+fn is_bare_append(m: &ProposerAcceptorMessage) -> bool {
+    matches!(m, ProposerAcceptorMessage::AppendRequest(a) if a.wal_data.is_empty())
+}
+
+/// Adds `msg` to a batch about to be written, leaving out a bare append (no WAL) just before it
+/// that it makes redundant: an append at the same position, in the same term and generation,
+/// carrying commit and truncate LSNs at least as high.
+fn push_coalesced(batch: &mut Vec<ProposerAcceptorMessage>, msg: ProposerAcceptorMessage) {
+    if let ProposerAcceptorMessage::AppendRequest(next) = &msg
+        && let Some(ProposerAcceptorMessage::AppendRequest(prev)) = batch.last()
+        && prev.wal_data.is_empty()
+        && prev.h.begin_lsn == next.h.begin_lsn
+        && prev.h.term == next.h.term
+        && prev.h.generation == next.h.generation
+        && prev.h.commit_lsn <= next.h.commit_lsn
+        && prev.h.truncate_lsn <= next.h.truncate_lsn
+    {
+        batch.pop();
+    }
+    batch.push(msg);
 }
 
 /// Ticks the core, and says why the commit LSN does not move when WAL is waiting.
@@ -810,5 +850,59 @@ async fn run_ticker(shared: Arc<Shared>) {
                 st.core.describe()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sk_core::protocol::{AppendRequest, AppendRequestHeader};
+    use sk_core::types::Generation;
+
+    fn append(begin: u64, commit: u64, wal: &'static [u8]) -> ProposerAcceptorMessage {
+        ProposerAcceptorMessage::AppendRequest(AppendRequest {
+            h: AppendRequestHeader {
+                generation: Generation(1),
+                term: Term(3),
+                begin_lsn: Lsn(begin),
+                end_lsn: Lsn(begin + wal.len() as u64),
+                commit_lsn: Lsn(commit),
+                truncate_lsn: Lsn(commit),
+            },
+            wal_data: Bytes::from_static(wal),
+        })
+    }
+
+    fn shape(batch: &[ProposerAcceptorMessage]) -> Vec<(u64, u64, usize)> {
+        batch
+            .iter()
+            .map(|m| match m {
+                ProposerAcceptorMessage::AppendRequest(a) => {
+                    (a.h.begin_lsn.0, a.h.commit_lsn.0, a.wal_data.len())
+                }
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_bare_append_made_redundant_by_the_next_one_is_left_out() {
+        let mut batch = Vec::new();
+        // Commit-only, then WAL at the same position with that commit LSN: one message.
+        push_coalesced(&mut batch, append(100, 90, b""));
+        push_coalesced(&mut batch, append(100, 90, b"wal"));
+        assert_eq!(shape(&batch), vec![(100, 90, 3)]);
+        // WAL, then a commit-only append after it: both (it carries a newer commit LSN).
+        push_coalesced(&mut batch, append(103, 103, b""));
+        assert_eq!(shape(&batch), vec![(100, 90, 3), (103, 103, 0)]);
+        // Two commit-only appends: the newer one.
+        push_coalesced(&mut batch, append(103, 104, b""));
+        assert_eq!(shape(&batch), vec![(100, 90, 3), (103, 104, 0)]);
+        // Never one that would carry an older commit LSN than the one it replaces.
+        push_coalesced(&mut batch, append(103, 100, b"x"));
+        assert_eq!(
+            shape(&batch),
+            vec![(100, 90, 3), (103, 104, 0), (103, 100, 1)]
+        );
     }
 }
