@@ -156,6 +156,13 @@ impl<S: Rebind> Rebind for tokio_rustls::server::TlsStream<S> {
     }
 }
 
+/// What is buffered stays; only the stream under it moves.
+impl<S: Rebind + AsyncRead> Rebind for tokio::io::BufReader<S> {
+    fn rebind(&mut self) -> io::Result<()> {
+        self.get_mut().rebind()
+    }
+}
+
 /// In-memory streams (tests) belong to no runtime.
 impl Rebind for tokio::io::DuplexStream {
     fn rebind(&mut self) -> io::Result<()> {
