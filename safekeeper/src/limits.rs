@@ -179,19 +179,25 @@ impl Socket {
         Socket(Some(s))
     }
 
-    fn get(&mut self) -> io::Result<&mut TcpStream> {
-        self.0
-            .as_mut()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "socket lost in a move"))
+    /// Runs `op` on the socket; only a failed move ([`Rebind::rebind`]) leaves none.
+    fn poll_with<T>(
+        self: Pin<&mut Self>,
+        op: impl FnOnce(Pin<&mut TcpStream>) -> Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        match self.get_mut().0.as_mut() {
+            Some(s) => op(Pin::new(s)),
+            None => Poll::Ready(Err(lost_in_a_move())),
+        }
     }
+}
+
+fn lost_in_a_move() -> io::Error {
+    io::Error::new(io::ErrorKind::NotConnected, "socket lost in a move")
 }
 
 impl Rebind for Socket {
     fn rebind(&mut self) -> io::Result<()> {
-        let s = self
-            .0
-            .take()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "socket lost in a move"))?;
+        let s = self.0.take().ok_or_else(lost_in_a_move)?;
         // Deregisters from the old runtime's driver; the std socket stays non-blocking.
         let std = s.into_std()?;
         self.0 = Some(TcpStream::from_std(std)?);
@@ -205,10 +211,7 @@ impl AsyncRead for Socket {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.get_mut().get() {
-            Ok(s) => Pin::new(s).poll_read(cx, buf),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.poll_with(|s| s.poll_read(cx, buf))
     }
 }
 
@@ -218,24 +221,15 @@ impl AsyncWrite for Socket {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut().get() {
-            Ok(s) => Pin::new(s).poll_write(cx, buf),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.poll_with(|s| s.poll_write(cx, buf))
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut().get() {
-            Ok(s) => Pin::new(s).poll_flush(cx),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.poll_with(|s| s.poll_flush(cx))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut().get() {
-            Ok(s) => Pin::new(s).poll_shutdown(cx),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.poll_with(|s| s.poll_shutdown(cx))
     }
 
     fn poll_write_vectored(
@@ -243,10 +237,7 @@ impl AsyncWrite for Socket {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut().get() {
-            Ok(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.poll_with(|s| s.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -135,10 +135,15 @@ struct QueueLink {
 
 impl QueueLink {
     fn taken(&self, (msg, bytes): QueuedMsg) -> Input {
-        metrics::RECEIVER_QUEUE_DEPTH.dec();
-        metrics::RECEIVER_QUEUE_BYTES.sub(bytes as i64);
+        dequeued(bytes);
         Input::Msg(msg)
     }
+}
+
+/// Keeps the queue gauges right when a message of `bytes` WAL bytes leaves the queue.
+fn dequeued(bytes: usize) {
+    metrics::RECEIVER_QUEUE_DEPTH.dec();
+    metrics::RECEIVER_QUEUE_BYTES.sub(bytes as i64);
 }
 
 impl Link for QueueLink {
@@ -167,8 +172,7 @@ impl Drop for QueueLink {
     fn drop(&mut self) {
         self.rx.close();
         while let Ok((_, bytes)) = self.rx.try_recv() {
-            metrics::RECEIVER_QUEUE_DEPTH.dec();
-            metrics::RECEIVER_QUEUE_BYTES.sub(bytes as i64);
+            dequeued(bytes);
         }
     }
 }
@@ -442,11 +446,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Link for SocketLink<S> {
                 self.conn.write_copy_data(&[&self.buf]);
                 self.conn.flush().await
             }
-            Outgoing::Error(e) => {
-                tracing::warn!("ending WAL push: {}", e.message);
-                self.conn.write_message(&BackendMessage::ErrorResponse(e));
-                self.conn.shutdown().await
-            }
+            Outgoing::Error(e) => end_with_error(&mut self.conn, e).await,
         };
         match sent {
             Ok(()) => true,
@@ -527,10 +527,10 @@ async fn run_acceptor<L: Link>(tl: &Timeline, link: &mut L, source: Source) {
     let link = &mut link;
     let mut dirty = false;
     let mut last_flush = Instant::now();
+    // The error that answers a refused message: it goes out first, before the final flush.
+    let mut refusal = None;
+    // The error that ends the stream for another reason: after the final flush's reply.
     let mut ending = None;
-    // Whether the ending error is a refusal of the last message (then it goes out first, as
-    // the answer to that message).
-    let mut refused = false;
     loop {
         let input = match link.try_next() {
             Some(input) => input,
@@ -574,8 +574,7 @@ async fn run_acceptor<L: Link>(tl: &Timeline, link: &mut L, source: Source) {
             Err(e) => {
                 metrics::count_proposer_message(label, false);
                 tracing::warn!("{label} refused: {e}");
-                ending = Some(ErrorFields::error(sqlstate::INTERNAL_ERROR, e.to_string()));
-                refused = true;
+                refusal = Some(ErrorFields::error(sqlstate::INTERNAL_ERROR, e.to_string()));
                 break;
             }
         }
@@ -586,7 +585,7 @@ async fn run_acceptor<L: Link>(tl: &Timeline, link: &mut L, source: Source) {
             break;
         }
     }
-    if refused && let Some(e) = ending.take() {
+    if let Some(e) = refusal {
         link.send(Outgoing::Error(e)).await;
     }
     // Whatever was written is made durable before the connection is gone (neon #9259); a

@@ -175,6 +175,7 @@ fn tokio_fs(c: &mut Criterion) {
 
 /// Concurrent `pwrite`+`fdatasync` rounds on `files` files, timed to a majority's completion.
 fn fdatasync_quorum(c: &mut Criterion) {
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Barrier, Mutex};
     let size = 8 * KIB;
     let mut g = c.benchmark_group("fdatasync_quorum");
@@ -183,29 +184,25 @@ fn fdatasync_quorum(c: &mut Criterion) {
         let dir = temp_dir().expect("bench dir");
         let start = Arc::new(Barrier::new(files + 1));
         let end = Arc::new(Barrier::new(files + 1));
-        // Per round: each node's completion time; `None` tells the nodes to exit.
-        let round: Arc<Mutex<Option<Vec<Instant>>>> = Arc::new(Mutex::new(Some(Vec::new())));
+        let stop = Arc::new(AtomicBool::new(false));
+        // Each node's completion time in the current round.
+        let done: Arc<Mutex<Vec<Instant>>> = Arc::default();
         let nodes: Vec<_> = (0..files)
             .map(|i| {
                 let f = prepare(&dir.path().join(format!("node{i}")), Kind::Zeroed);
-                let (start, end, round) = (start.clone(), end.clone(), round.clone());
+                let (start, end, stop, done) =
+                    (start.clone(), end.clone(), stop.clone(), done.clone());
                 std::thread::spawn(move || {
                     let buf = vec![0x5au8; size];
                     let mut off = 0u64;
                     loop {
                         start.wait();
-                        if round.lock().expect("round").is_none() {
+                        if stop.load(Ordering::SeqCst) {
                             return;
                         }
                         f.write_all_at(&buf, off).expect("write");
                         f.sync_data().expect("fdatasync");
-                        let done = Instant::now();
-                        round
-                            .lock()
-                            .expect("round")
-                            .as_mut()
-                            .expect("round")
-                            .push(done);
+                        done.lock().expect("done").push(Instant::now());
                         off = (off + size as u64) % REGION;
                         end.wait();
                     }
@@ -218,24 +215,19 @@ fn fdatasync_quorum(c: &mut Criterion) {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
-                        round
-                            .lock()
-                            .expect("round")
-                            .as_mut()
-                            .expect("round")
-                            .clear();
+                        done.lock().expect("done").clear();
                         let t = Instant::now();
                         start.wait();
                         end.wait();
-                        let mut done = round.lock().expect("round").clone().expect("round");
-                        done.sort();
-                        total += done[files / 2] - t;
+                        let mut round = done.lock().expect("done").clone();
+                        round.sort();
+                        total += round[files / 2] - t;
                     }
                     total
                 })
             },
         );
-        *round.lock().expect("round") = None;
+        stop.store(true, Ordering::SeqCst);
         start.wait();
         for n in nodes {
             n.join().expect("node thread");

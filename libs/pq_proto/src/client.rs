@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 use crate::backend::{Authentication, BackendMessage, FieldDescription, put_copy_data};
 use crate::framing::DEFAULT_MAX_MESSAGE_SIZE;
 use crate::frontend::{FrontendMessage, StartupPacket, StartupParams};
-use crate::io::{flush_buf, read_backend};
+use crate::io::{flush_buf, read_backend, shutdown_after_flush};
 use crate::replication::StandbyMessage;
 use crate::{ErrorFields, PqError};
 
@@ -345,11 +345,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientConn<S> {
 
     /// Sends Terminate and closes the write side. Best effort.
     pub async fn close(mut self) -> Result<(), PqError> {
-        use tokio::io::AsyncWriteExt;
         FrontendMessage::Terminate.encode(&mut self.write_buf);
-        self.flush().await?;
-        self.stream.shutdown().await?;
-        Ok(())
+        shutdown_after_flush(&mut self.stream, &mut self.write_buf).await
     }
 }
 
@@ -462,11 +459,8 @@ impl<W: AsyncWrite + Unpin> CopyBothWriter<W> {
 
     /// Sends Terminate and shuts the write side down.
     pub async fn terminate(&mut self) -> Result<(), PqError> {
-        use tokio::io::AsyncWriteExt;
         FrontendMessage::Terminate.encode(&mut self.write_buf);
-        self.flush().await?;
-        self.stream.shutdown().await?;
-        Ok(())
+        shutdown_after_flush(&mut self.stream, &mut self.write_buf).await
     }
 
     /// Bytes buffered and not yet sent.

@@ -62,6 +62,16 @@ pub(crate) async fn read_backend<R: AsyncRead + Unpin>(
         .ok_or(PqError::ConnectionClosed)
 }
 
+/// Writes all of `buf`, flushes, then shuts down the write direction (the peer sees EOF).
+pub(crate) async fn shutdown_after_flush<W>(w: &mut W, buf: &mut BytesMut) -> Result<(), PqError>
+where
+    W: AsyncWrite + Unpin,
+{
+    flush_buf(w, buf).await?;
+    w.shutdown().await?;
+    Ok(())
+}
+
 /// Writes all of `buf` and flushes the stream.
 ///
 /// Cancellation-safe: `write_all_buf` advances `buf` past what was written, so a later call

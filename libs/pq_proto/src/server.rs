@@ -31,7 +31,7 @@ use crate::frontend::{
     FrontendMessage, GSSENC_REQUEST_CODE, SSL_REQUEST_CODE, StartupPacket, StartupParams,
     decode_startup,
 };
-use crate::io::{flush_buf, read_frame, read_frontend};
+use crate::io::{flush_buf, read_frame, read_frontend, shutdown_after_flush};
 use crate::replication::{ReplicationMessage, xlog_data_header};
 
 /// The `server_version` we report. Clients parse it with `%d.%d`: major 15, so PostgreSQL 15's
@@ -533,10 +533,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
 
     /// Flushes, then shuts down the write direction (the client sees EOF).
     pub async fn shutdown(&mut self) -> Result<(), PqError> {
-        use tokio::io::AsyncWriteExt;
-        self.flush().await?;
-        self.stream.shutdown().await?;
-        Ok(())
+        shutdown_after_flush(&mut self.stream, &mut self.write_buf).await
     }
 
     /// The underlying stream (buffered bytes are dropped).
@@ -641,10 +638,7 @@ impl<W: AsyncWrite + Unpin> ServerWriter<W> {
 
     /// Flushes, then shuts down the write direction (the client sees EOF).
     pub async fn shutdown(&mut self) -> Result<(), PqError> {
-        use tokio::io::AsyncWriteExt;
-        self.flush().await?;
-        self.stream.shutdown().await?;
-        Ok(())
+        shutdown_after_flush(&mut self.stream, &mut self.write_buf).await
     }
 }
 

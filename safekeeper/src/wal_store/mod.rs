@@ -431,7 +431,8 @@ impl WalFileStore {
             return;
         }
         let from = known.max(off);
-        let to = (end.max(from) + ZERO_AHEAD).min(self.seg_size);
+        // `from < end`: `known < end` above, and `off < end`.
+        let to = (end + ZERO_AHEAD).min(self.seg_size);
         let zeroed = self.with_segment(segno, |seg| {
             seg.dirty = true;
             write_zeros(&*seg.file, from, to)
