@@ -57,42 +57,15 @@ struct Secrets {
 }
 
 fn openssl(args: &[&str]) {
-    let out = std::process::Command::new("openssl")
-        .args(args)
-        .output()
-        .expect("running openssl (Debian package openssl)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    wal_bench::openssl(args).expect("openssl");
 }
 
 fn secrets() -> Secrets {
     let dir = temp_dir().expect("bench dir");
     let p = |n: &str| dir.path().join(n);
-    let (cert, key, jwt_key, jwt_public) =
-        (p("cert.pem"), p("key.pem"), p("jwt.key"), p("jwt.pub"));
+    let (jwt_key, jwt_public) = (p("jwt.key"), p("jwt.pub"));
     let s = |p: &PathBuf| p.to_str().expect("UTF-8 path").to_string();
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        &s(&key),
-        "-out",
-        &s(&cert),
-        "-days",
-        "2",
-        "-subj",
-        "/CN=localhost",
-        "-addext",
-        "subjectAltName=DNS:localhost,IP:127.0.0.1",
-    ]);
+    let (cert, key) = wal_bench::self_signed_cert(dir.path()).expect("TLS certificate");
     openssl(&["genpkey", "-algorithm", "ed25519", "-out", &s(&jwt_key)]);
     openssl(&[
         "pkey",

@@ -84,6 +84,46 @@ pub fn temp_dir() -> anyhow::Result<tempfile::TempDir> {
     tempfile::tempdir_in(&dir).with_context(|| format!("temp dir in {}", dir.display()))
 }
 
+/// Runs the `openssl` CLI (Debian package `openssl`); its stderr in the error.
+pub fn openssl(args: &[&str]) -> anyhow::Result<()> {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .output()
+        .context("running openssl (Debian package openssl)")?;
+    if !out.status.success() {
+        bail!("openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// A self-signed P-256 certificate for `localhost` and 127.0.0.1, and its key, written by the
+/// `openssl` CLI into `dir` as `cert.pem` and `key.pem`: what a bench safekeeper serves TLS
+/// with (its clients use `sslmode=require`).
+pub fn self_signed_cert(dir: &std::path::Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let path = |p: &PathBuf| p.to_str().map(str::to_string).context("a UTF-8 path");
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        &path(&key)?,
+        "-out",
+        &path(&cert)?,
+        "-days",
+        "2",
+        "-subj",
+        "/CN=localhost",
+        "-addext",
+        "subjectAltName=DNS:localhost,IP:127.0.0.1",
+    ])?;
+    Ok((cert, key))
+}
+
 /// Bytes of WAL a throughput iteration pushes: `$WAL_BENCH_VOLUME` (default 1 GiB).
 pub fn volume() -> u64 {
     std::env::var("WAL_BENCH_VOLUME")
