@@ -35,15 +35,11 @@ use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
 use safekeeper::config::Conf;
-use safekeeper::daemon;
 use tokio::runtime::Runtime;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-use wal_bench::{KIB, SEG_SIZE, START, SYSID, temp_dir, ttid, volume};
-use walproposer::conn::SafekeeperAddr;
+use wal_bench::{Daemon, KIB, proposer_config, single_commits, temp_dir, ttid, volume};
+use walproposer::Proposer;
 use walproposer::synthetic::{self, SyntheticOptions};
 use walproposer::tls::{ClientTls, SslMode};
-use walproposer::{Proposer, ProposerConfig};
 
 profiling::global_allocator!();
 
@@ -107,13 +103,6 @@ const PLAIN: Security = Security {
     backup: false,
 };
 
-/// A daemon running inside the bench process.
-struct Daemon {
-    addr: SafekeeperAddr,
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<anyhow::Result<()>>,
-}
-
 /// `store`: the `file://` remote storage the run's nodes share (with `sec.backup`).
 async fn start_daemon(
     datadir: &Path,
@@ -134,22 +123,14 @@ async fn start_daemon(
     if let Some(store) = store {
         conf.remote_storage = Some(format!("file://{}", store.display()));
     }
-    let listeners = daemon::bind(&conf).await.expect("bind");
-    let addr = SafekeeperAddr {
-        host: "127.0.0.1".into(),
-        port: listeners.pg_addr().port(),
-        password: sec.jwt.then(|| secrets.token.clone()),
-        tls: if sec.tls {
-            ClientTls::new(SslMode::Require, None).expect("TLS client")
-        } else {
-            None
-        },
+    let tls = if sec.tls {
+        ClientTls::new(SslMode::Require, None).expect("TLS client")
+    } else {
+        None
     };
-    let (stop, rx) = oneshot::channel();
-    let task = tokio::spawn(daemon::run(conf, listeners, async move {
-        let _ = rx.await;
-    }));
-    Daemon { addr, stop, task }
+    Daemon::start(conf, sec.jwt.then(|| secrets.token.clone()), tls)
+        .await
+        .expect("daemon")
 }
 
 /// Starts `n` fresh daemons, elects a proposer over them, runs `opts`; returns the time from
@@ -178,23 +159,14 @@ fn run_once(
             let store = store.as_ref().map(|s| s.path());
             daemons.push(start_daemon(d.path(), i as u64 + 1, sec, secrets, store).await);
         }
-        let cfg = ProposerConfig {
-            safekeepers: daemons.iter().map(|d| d.addr.clone()).collect(),
-            ttid: ttid(),
-            system_id: SYSID,
-            pg_version: 150018,
-            wal_seg_size: SEG_SIZE as u32,
-            start_lsn: START,
-            allow_timeline_creation: true,
-        };
+        let cfg = proposer_config(daemons.iter().map(|d| d.addr.clone()).collect());
         let proposer = Proposer::elect(cfg).await.expect("election");
         let stats = synthetic::run(&proposer, opts)
             .await
             .expect("synthetic WAL");
         proposer.finish(Duration::from_secs(5)).await;
         for d in daemons {
-            let _ = d.stop.send(());
-            d.task.await.expect("daemon task").expect("daemon");
+            d.stop().await.expect("daemon");
         }
         Duration::from_secs_f64(stats.seconds)
     })
@@ -208,17 +180,6 @@ fn ingest_opts(size: usize, total: u64) -> SyntheticOptions {
         rate: None,
         chunk_bytes: 128 * KIB,
         window: 32 << 20,
-    }
-}
-
-/// `commits` single-record commits of `size` bytes of WAL each, one at a time.
-fn commit_opts(size: usize, commits: u64) -> SyntheticOptions {
-    SyntheticOptions {
-        record_size: size - 60,
-        total_bytes: commits * size as u64,
-        rate: None,
-        chunk_bytes: size,
-        window: 0,
     }
 }
 
@@ -326,10 +287,10 @@ fn e2e(c: &mut Criterion) {
         g.bench_function(
             BenchmarkId::new(format!("safekeepers={n}"), format!("size={size}")),
             |b| {
-                // One iteration = one commit: `iters` appends of one record each (a record of
-                // 8192 - 60 payload bytes is just over 8 KiB of WAL, so each 8 KiB chunk the
-                // synthetic source asks for is exactly one record).
-                b.iter_custom(|iters| run_once(&rt, n, &commit_opts(size, iters), PLAIN, secrets))
+                // One iteration = one commit (`single_commits`: one record per append).
+                b.iter_custom(|iters| {
+                    run_once(&rt, n, &single_commits(size, iters), PLAIN, secrets)
+                })
             },
         );
     }
@@ -380,7 +341,7 @@ fn e2e(c: &mut Criterion) {
     for (name, sec) in tls_modes {
         g.bench_function(
             BenchmarkId::new(format!("tls={name}"), format!("size={size}")),
-            |b| b.iter_custom(|iters| run_once(&rt, 1, &commit_opts(size, iters), sec, secrets)),
+            |b| b.iter_custom(|iters| run_once(&rt, 1, &single_commits(size, iters), sec, secrets)),
         );
     }
     g.finish();
@@ -429,8 +390,7 @@ fn e2e(c: &mut Criterion) {
                 })
             })
         });
-        let _ = d.stop.send(());
-        rt.block_on(d.task).expect("daemon task").expect("daemon");
+        rt.block_on(d.stop()).expect("daemon");
     }
     g.finish();
 }

@@ -36,8 +36,12 @@ use sk_core::state::Configuration;
 use sk_core::types::{
     Generation, Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TermLsn, TimelineId,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
+use walproposer::ProposerConfig;
+use walproposer::conn::SafekeeperAddr;
+use walproposer::synthetic::SyntheticOptions;
+use walproposer::tls::ClientTls;
 
 /// 1 KiB.
 pub const KIB: usize = 1024;
@@ -122,6 +126,71 @@ pub fn self_signed_cert(dir: &std::path::Path) -> anyhow::Result<(PathBuf, PathB
         "subjectAltName=DNS:localhost,IP:127.0.0.1",
     ])?;
     Ok((cert, key))
+}
+
+/// A safekeeper daemon running inside the bench process: its real listeners (loopback) and
+/// services, on the current tokio runtime.
+pub struct Daemon {
+    /// Its PostgreSQL port, with the password and TLS its clients use.
+    pub addr: SafekeeperAddr,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Daemon {
+    /// Binds `conf`'s listeners and runs the daemon; clients reach it with `password` (a JWT)
+    /// and `tls`.
+    pub async fn start(
+        conf: safekeeper::config::Conf,
+        password: Option<String>,
+        tls: Option<ClientTls>,
+    ) -> anyhow::Result<Daemon> {
+        let listeners = safekeeper::daemon::bind(&conf).await?;
+        let addr = SafekeeperAddr {
+            host: "127.0.0.1".into(),
+            port: listeners.pg_addr().port(),
+            password,
+            tls,
+        };
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(safekeeper::daemon::run(conf, listeners, async move {
+            let _ = stopped.await;
+        }));
+        Ok(Daemon { addr, stop, task })
+    }
+
+    /// Shuts it down as SIGTERM does and waits for it to end.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(());
+        self.task.await?
+    }
+}
+
+/// A proposer for the bench timeline ([`ttid`], 16 MiB segments, PostgreSQL 15) over
+/// `safekeepers`, allowed to create it.
+pub fn proposer_config(safekeepers: Vec<SafekeeperAddr>) -> ProposerConfig {
+    ProposerConfig {
+        safekeepers,
+        ttid: ttid(),
+        system_id: SYSID,
+        pg_version: 150018,
+        wal_seg_size: SEG_SIZE as u32,
+        start_lsn: START,
+        allow_timeline_creation: true,
+    }
+}
+
+/// `commits` single commits of `size` bytes of WAL each, one at a time: a record of
+/// `size - 60` payload bytes is just over `size` bytes of WAL, so each `size`-byte chunk the
+/// synthetic source asks for is exactly one record, and one commit.
+pub fn single_commits(size: usize, commits: u64) -> SyntheticOptions {
+    SyntheticOptions {
+        record_size: size - 60,
+        total_bytes: commits * size as u64,
+        rate: None,
+        chunk_bytes: size,
+        window: 0,
+    }
 }
 
 /// Bytes of WAL a throughput iteration pushes: `$WAL_BENCH_VOLUME` (default 1 GiB).

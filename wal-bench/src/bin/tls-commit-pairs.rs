@@ -15,17 +15,15 @@
 //! ratio and the mean time TLS adds. Data directories go under `$WAL_BENCH_DIR` (see
 //! `wal_bench::bench_dir`), on the disk under test.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
 use safekeeper::config::Conf;
-use safekeeper::daemon;
-use walproposer::conn::SafekeeperAddr;
-use walproposer::synthetic::{self, SyntheticOptions};
+use wal_bench::Daemon;
+use walproposer::Proposer;
+use walproposer::synthetic;
 use walproposer::tls::{ClientTls, SslMode};
-use walproposer::{Proposer, ProposerConfig};
 
 profiling::global_allocator!();
 
@@ -90,44 +88,19 @@ async fn per_commit(
         conf.tls_cert = Some(cert.clone());
         conf.tls_key = Some(key.clone());
     }
-    let listeners = daemon::bind(&conf).await?;
-    let addr = SafekeeperAddr {
-        host: "127.0.0.1".into(),
-        port: listeners.pg_addr().port(),
-        password: None,
-        tls: match tls {
-            Some(_) => ClientTls::new(SslMode::Require, None::<&Path>)?,
-            None => None,
-        },
+    let client_tls = match tls {
+        Some(_) => ClientTls::new(SslMode::Require, None)?,
+        None => None,
     };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let daemon = tokio::spawn(daemon::run(conf, listeners, async move {
-        let _ = stopped.await;
-    }));
-    let proposer = Proposer::elect(ProposerConfig {
-        safekeepers: vec![addr],
-        ttid: wal_bench::ttid(),
-        system_id: wal_bench::SYSID,
-        pg_version: 150018,
-        wal_seg_size: wal_bench::SEG_SIZE as u32,
-        start_lsn: wal_bench::START,
-        allow_timeline_creation: true,
-    })
-    .await
-    .context("election")?;
-    // A record of COMMIT - 60 payload bytes is one 8 KiB chunk of WAL: one commit each.
-    let opts = SyntheticOptions {
-        record_size: COMMIT - 60,
-        total_bytes: args.commits * COMMIT as u64,
-        rate: None,
-        chunk_bytes: COMMIT,
-        window: 0,
-    };
+    let daemon = Daemon::start(conf, None, client_tls).await?;
+    let proposer = Proposer::elect(wal_bench::proposer_config(vec![daemon.addr.clone()]))
+        .await
+        .context("election")?;
+    let opts = wal_bench::single_commits(COMMIT, args.commits);
     let started = Instant::now();
     synthetic::run(&proposer, &opts).await?;
     let elapsed = started.elapsed();
     proposer.finish(Duration::from_secs(5)).await;
-    let _ = stop.send(());
-    daemon.await??;
+    daemon.stop().await?;
     Ok(elapsed.as_secs_f64() * 1e6 / args.commits as f64)
 }
