@@ -1144,39 +1144,38 @@ fn write_flushing_every(
     at
 }
 
-#[test]
-fn a_commit_bound_stream_gets_zeros_written_ahead_and_keeps_every_byte() {
+/// Writes `records` 8 KiB records into a fresh segment, flushing after every `per_flush` of
+/// them; `check` gets the bytes allocated to the segment file and where WAL ends in it; then
+/// every byte must be recovered intact (zeros are only ever written past the end of WAL).
+fn zero_ahead_case(records: usize, per_flush: usize, check: impl FnOnce(u64, u64)) {
     let dir = tempfile::tempdir().unwrap();
     let start = Lsn(SEG + 8192);
     let mut s = fresh(dir.path(), start);
-    // Single commits: one 8 KiB record per flush.
-    let (bytes, pos) = gen_wal(start, &[8000; 40]);
-    let end = write_flushing_every(&mut s, start, &bytes, &pos, 1);
-    let written = end.segment_offset(SEG);
-    let alloc = allocated_bytes(dir.path(), 1);
-    assert!(
-        alloc >= written + ZERO_AHEAD / 2,
-        "blocks past the end of WAL are allocated ahead: {alloc} allocated, WAL ends at {written}"
-    );
+    let (bytes, pos) = gen_wal(start, &vec![8000; records]);
+    let end = write_flushing_every(&mut s, start, &bytes, &pos, per_flush);
+    check(allocated_bytes(dir.path(), 1), end.segment_offset(SEG));
     drop(s);
-    // Zeros were only ever written past the end of WAL: every byte is intact.
     assert_recovers(dir.path(), pos[0].end, opts(), start, &bytes);
 }
 
 #[test]
+fn a_commit_bound_stream_gets_zeros_written_ahead_and_keeps_every_byte() {
+    // Single commits: one 8 KiB record per flush.
+    zero_ahead_case(40, 1, |alloc, written| {
+        assert!(
+            alloc >= written + ZERO_AHEAD / 2,
+            "blocks past the end of WAL are allocated ahead: {alloc} allocated, WAL ends at {written}"
+        );
+    });
+}
+
+#[test]
 fn a_pipelined_stream_writes_no_zeros_ahead() {
-    let dir = tempfile::tempdir().unwrap();
-    let start = Lsn(SEG + 8192);
-    let mut s = fresh(dir.path(), start);
     // Batches of 32 records (~256 KiB) per flush.
-    let (bytes, pos) = gen_wal(start, &[8000; 64]);
-    let end = write_flushing_every(&mut s, start, &bytes, &pos, 32);
-    let written = end.segment_offset(SEG);
-    let alloc = allocated_bytes(dir.path(), 1);
-    assert!(
-        alloc < written + ZERO_AHEAD / 2,
-        "no zeros ahead of a pipelined stream: {alloc} allocated, WAL ends at {written}"
-    );
-    drop(s);
-    assert_recovers(dir.path(), pos[0].end, opts(), start, &bytes);
+    zero_ahead_case(64, 32, |alloc, written| {
+        assert!(
+            alloc < written + ZERO_AHEAD / 2,
+            "no zeros ahead of a pipelined stream: {alloc} allocated, WAL ends at {written}"
+        );
+    });
 }
