@@ -9,9 +9,13 @@
 //! cargo run --release -p wal-bench --bin tls-commit-pairs -- --pairs 12 --commits 3000
 //! # CPU only: no fdatasync, everything on one vCPU
 //! taskset -c 1 target/release/tls-commit-pairs --no-sync
+//! # one mode only, for counters of that mode alone (CPU time, context switches, syscalls)
+//! perf stat -e task-clock,context-switches,cpu-migrations \
+//!     target/release/tls-commit-pairs --only tls --pairs 2
+//! strace -f -c target/release/tls-commit-pairs --only plain --pairs 1 --commits 2000
 //! ```
 //!
-//! Output: one line per pair (`plain_us tls_us ratio`), then the mean, smallest and largest
+//! Output: one line per pair (`plain_us tls_us ratio`; with `--only`, one line per run), then the mean, smallest and largest
 //! ratio and the mean time TLS adds. Data directories go under `$WAL_BENCH_DIR` (see
 //! `wal_bench::bench_dir`), on the disk under test.
 
@@ -39,6 +43,15 @@ struct Args {
     /// Run the safekeeper with --no-sync (what TLS costs the CPU alone).
     #[arg(long)]
     no_sync: bool,
+    /// Run one mode only, `--pairs` times (for counters of one mode: `perf stat`, `strace -c`).
+    #[arg(long, value_enum)]
+    only: Option<Mode>,
+}
+
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum Mode {
+    Plain,
+    Tls,
 }
 
 /// Bytes of WAL per commit (as `e2e_tls_commit`).
@@ -53,6 +66,14 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     let secrets = wal_bench::temp_dir()?;
     let tls = wal_bench::self_signed_cert(secrets.path())?;
+    if let Some(mode) = args.only {
+        println!("{}_us", if mode == Mode::Tls { "tls" } else { "plain" });
+        for _ in 0..args.pairs {
+            let us = rt.block_on(per_commit((mode == Mode::Tls).then_some(&tls), &args))?;
+            println!("{us:.1}");
+        }
+        return Ok(());
+    }
     let mut ratios = Vec::new();
     let mut added = 0.0;
     println!("plain_us tls_us ratio");
