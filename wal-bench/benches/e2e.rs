@@ -36,18 +36,16 @@ use criterion::{
 };
 use safekeeper::config::Conf;
 use tokio::runtime::Runtime;
-use wal_bench::{Daemon, KIB, proposer_config, single_commits, temp_dir, ttid, volume};
+use wal_bench::{Daemon, KIB, ServerCert, proposer_config, single_commits, temp_dir, ttid, volume};
 use walproposer::Proposer;
 use walproposer::synthetic::{self, SyntheticOptions};
-use walproposer::tls::{ClientTls, SslMode};
 
 profiling::global_allocator!();
 
 /// A CA-less self-signed certificate and an Ed25519 JWT key pair made by the `openssl` CLI.
 struct Secrets {
     _dir: tempfile::TempDir,
-    cert: PathBuf,
-    key: PathBuf,
+    tls: ServerCert,
     jwt_public: PathBuf,
     token: String,
 }
@@ -61,7 +59,7 @@ fn secrets() -> Secrets {
     let p = |n: &str| dir.path().join(n);
     let (jwt_key, jwt_public) = (p("jwt.key"), p("jwt.pub"));
     let s = |p: &PathBuf| p.to_str().expect("UTF-8 path").to_string();
-    let (cert, key) = wal_bench::self_signed_cert(dir.path()).expect("TLS certificate");
+    let tls = wal_bench::self_signed_cert(dir.path()).expect("TLS certificate");
     openssl(&["genpkey", "-algorithm", "ed25519", "-out", &s(&jwt_key)]);
     openssl(&[
         "pkey",
@@ -81,8 +79,7 @@ fn secrets() -> Secrets {
     .expect("token");
     Secrets {
         _dir: dir,
-        cert,
-        key,
+        tls,
         jwt_public,
         token,
     }
@@ -113,21 +110,13 @@ async fn start_daemon(
 ) -> Daemon {
     let mut conf = Conf::for_tests(datadir.to_path_buf());
     conf.id = id;
-    if sec.tls {
-        conf.tls_cert = Some(secrets.cert.clone());
-        conf.tls_key = Some(secrets.key.clone());
-    }
     if sec.jwt {
         conf.auth_public_key_path = Some(secrets.jwt_public.clone());
     }
     if let Some(store) = store {
         conf.remote_storage = Some(format!("file://{}", store.display()));
     }
-    let tls = if sec.tls {
-        ClientTls::new(SslMode::Require, None).expect("TLS client")
-    } else {
-        None
-    };
+    let tls = sec.tls.then_some(&secrets.tls);
     Daemon::start(conf, sec.jwt.then(|| secrets.token.clone()), tls)
         .await
         .expect("daemon")

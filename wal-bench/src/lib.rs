@@ -41,7 +41,7 @@ use tokio::task::JoinHandle;
 use walproposer::ProposerConfig;
 use walproposer::conn::SafekeeperAddr;
 use walproposer::synthetic::SyntheticOptions;
-use walproposer::tls::ClientTls;
+use walproposer::tls::{ClientTls, SslMode};
 
 /// 1 KiB.
 pub const KIB: usize = 1024;
@@ -100,10 +100,17 @@ pub fn openssl(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A certificate and its key, as PEM files: what a bench safekeeper serves TLS with.
+pub struct ServerCert {
+    /// The certificate (`--tls-cert`).
+    pub cert: PathBuf,
+    /// Its private key (`--tls-key`).
+    pub key: PathBuf,
+}
+
 /// A self-signed P-256 certificate for `localhost` and 127.0.0.1, and its key, written by the
-/// `openssl` CLI into `dir` as `cert.pem` and `key.pem`: what a bench safekeeper serves TLS
-/// with (its clients use `sslmode=require`).
-pub fn self_signed_cert(dir: &std::path::Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+/// `openssl` CLI into `dir` as `cert.pem` and `key.pem` (its clients use `sslmode=require`).
+pub fn self_signed_cert(dir: &std::path::Path) -> anyhow::Result<ServerCert> {
     let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
     let path = |p: &PathBuf| p.to_str().map(str::to_string).context("a UTF-8 path");
     openssl(&[
@@ -125,7 +132,7 @@ pub fn self_signed_cert(dir: &std::path::Path) -> anyhow::Result<(PathBuf, PathB
         "-addext",
         "subjectAltName=DNS:localhost,IP:127.0.0.1",
     ])?;
-    Ok((cert, key))
+    Ok(ServerCert { cert, key })
 }
 
 /// A safekeeper daemon running inside the bench process: its real listeners (loopback) and
@@ -138,19 +145,28 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Binds `conf`'s listeners and runs the daemon; clients reach it with `password` (a JWT)
-    /// and `tls`.
+    /// Binds `conf`'s listeners and runs the daemon; clients reach it with `password` (a JWT).
+    /// With `tls`, the daemon serves TLS with that certificate and requires it, and its
+    /// clients connect with `sslmode=require`.
     pub async fn start(
-        conf: safekeeper::config::Conf,
+        mut conf: safekeeper::config::Conf,
         password: Option<String>,
-        tls: Option<ClientTls>,
+        tls: Option<&ServerCert>,
     ) -> anyhow::Result<Daemon> {
+        let client_tls = match tls {
+            Some(c) => {
+                conf.tls_cert = Some(c.cert.clone());
+                conf.tls_key = Some(c.key.clone());
+                ClientTls::new(SslMode::Require, None)?
+            }
+            None => None,
+        };
         let listeners = safekeeper::daemon::bind(&conf).await?;
         let addr = SafekeeperAddr {
             host: "127.0.0.1".into(),
             port: listeners.pg_addr().port(),
             password,
-            tls,
+            tls: client_tls,
         };
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(safekeeper::daemon::run(conf, listeners, async move {

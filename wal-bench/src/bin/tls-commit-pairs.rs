@@ -15,8 +15,8 @@
 //! strace -f -c target/release/tls-commit-pairs --only plain --pairs 1 --commits 2000
 //! ```
 //!
-//! Output: one line per pair (`plain_us tls_us ratio`; with `--only`, one line per run), then the mean, smallest and largest
-//! ratio and the mean time TLS adds. Data directories go under `$WAL_BENCH_DIR` (see
+//! Output: one line per pair (`plain_us tls_us ratio`; with `--only`, one line per run), then
+//! the mean, smallest and largest ratio and the mean time TLS adds. Data directories go under `$WAL_BENCH_DIR` (see
 //! `wal_bench::bench_dir`), on the disk under test.
 
 use std::time::{Duration, Instant};
@@ -24,10 +24,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use safekeeper::config::Conf;
-use wal_bench::Daemon;
+use wal_bench::{Daemon, ServerCert};
 use walproposer::Proposer;
 use walproposer::synthetic;
-use walproposer::tls::{ClientTls, SslMode};
 
 profiling::global_allocator!();
 
@@ -98,22 +97,11 @@ fn main() -> anyhow::Result<()> {
 
 /// One run: a fresh safekeeper (TLS with `tls`: certificate and key), an elected proposer,
 /// `args.commits` single commits; returns µs per commit.
-async fn per_commit(
-    tls: Option<&(std::path::PathBuf, std::path::PathBuf)>,
-    args: &Args,
-) -> anyhow::Result<f64> {
+async fn per_commit(tls: Option<&ServerCert>, args: &Args) -> anyhow::Result<f64> {
     let dir = wal_bench::temp_dir()?;
     let mut conf = Conf::for_tests(dir.path().to_path_buf());
     conf.no_sync = args.no_sync;
-    if let Some((cert, key)) = tls {
-        conf.tls_cert = Some(cert.clone());
-        conf.tls_key = Some(key.clone());
-    }
-    let client_tls = match tls {
-        Some(_) => ClientTls::new(SslMode::Require, None)?,
-        None => None,
-    };
-    let daemon = Daemon::start(conf, None, client_tls).await?;
+    let daemon = Daemon::start(conf, None, tls).await?;
     let proposer = Proposer::elect(wal_bench::proposer_config(vec![daemon.addr.clone()]))
         .await
         .context("election")?;
