@@ -55,6 +55,23 @@ def test_datadir_lock_refuses_second_daemon(safekeeper):
     assert requests.get(f"{safekeeper.http}/v1/status", timeout=5).ok
 
 
+def test_node_id_is_kept_in_the_data_directory(safekeeper_factory):
+    """Issue 26, defect 7: the id follows the data. A restart without --id is the stored node,
+    not node 1; a different --id refuses to start naming both ids."""
+    sk = safekeeper_factory(node_id=5).start()
+    assert (sk.datadir / "safekeeper.id").read_text() == "5\n"
+    assert sk.stop() == 0
+    sk.node_id = 6
+    proc = sk.spawn()
+    assert proc.wait(timeout=20) == 1
+    log = sk.log()
+    assert "belongs to safekeeper id 5" in log and "--id 6" in log, log[-2000:]
+    sk.node_id = None
+    sk.start()
+    assert requests.get(f"{sk.http}/v1/status", timeout=5).json()["id"] == 5
+    assert sk.stop() == 0
+
+
 def test_help_lists_flags():
     out = subprocess.run(
         [str(Safekeeper(datadir=None).binary), "--help"],

@@ -106,6 +106,38 @@ def accepted(sk) -> bool:
         return read_message(s)[0] != b"E"
 
 
+def test_idle_sockets_that_never_authenticate_do_not_keep_clients_out(
+    safekeeper_factory, tmp_path
+):
+    """Issue 26, defect 8: 600 TCP connections that never send a startup packet (far more than
+    --max-connections and the handshake pool) used to hold every slot for the whole handshake
+    timeout. They only push each other out of their own pool: an authenticated client gets in
+    at once, and the proposer goes on committing."""
+    sk = safekeeper_factory(
+        extra_args=["--max-connections", "20", "--max-handshaking-connections", "16"]
+    ).start()
+    wp = Proposer(sk, tmp_path)
+    idle = [socket.create_connection(("127.0.0.1", sk.pg_port)) for _ in range(600)]
+
+    # Every one was accepted (the daemon accepts at once); all but the newest 16 were closed.
+    def closed(s) -> bool:
+        s.setblocking(False)
+        try:
+            return s.recv(1) == b""
+        except BlockingIOError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    wait_until(lambda: sum(closed(s) for s in idle) >= 600 - 16, "the oldest idle sockets closed")
+    assert accepted(sk), "an authenticated client is served while idle sockets keep arriving"
+    wp.assert_commits("with 600 idle sockets opened")
+    for s in idle:
+        s.close()
+    wp.stop()
+    assert "handshake pool" in sk.log()
+
+
 def test_slow_loris_before_auth_is_cut_at_the_handshake_timeout(safekeeper_factory, tmp_path):
     sk = safekeeper_factory(extra_args=["--handshake-timeout", "2s"]).start()
     wp = Proposer(sk, tmp_path)

@@ -256,6 +256,46 @@ def test_backup_removal_and_readers_from_the_backup(safekeeper_factory, store, t
     assert 0 < gauge("safekeeper_timeline_local_wal_bytes") <= KEEP + 3 * SEG
 
 
+def test_pull_after_removal_starts_at_the_backed_up_point_and_serves_the_rest_from_the_store(
+    safekeeper_factory, store, tmp_path
+):
+    """Issue 26, defect 3: with --remote-storage, removal is the normal state; a dead node must
+    still be replaceable. The snapshot starts at the backed-up point, and the new node serves
+    the WAL below it from the store, byte-identical (sk3 keeps everything: the reference)."""
+    sks = start_sks(safekeeper_factory, store, [0, 0, 1 << 40])
+    stats = push(sks, "24M")
+    start, end = lsn_int(stats["start_lsn"]), lsn_int(stats["commit_lsn"])
+    backed = backed_up_to(sks, end)
+    for sk in sks[:2]:
+        wait_until(
+            lambda sk=sk: lsn_int(status(sk)["removal_horizon_lsn"]) > start + 8 * SEG,
+            "removal on the donors",
+        )
+    sk4 = safekeeper_factory(
+        4, extra_args=["--remote-storage", store.url, "--wal-keep-size", "0"], env=store.env
+    ).start()
+    body = {"tenant_id": TENANT, "timeline_id": TIMELINE}
+    body["http_hosts"] = [f"127.0.0.1:{sk.http_port}" for sk in sks[:2]]
+    r = requests.post(f"{sk4.http}/v1/pull_timeline", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    pulled = r.json()
+    assert lsn_int(pulled["start_lsn"]) > start + 8 * SEG, pulled
+    assert lsn_int(pulled["flush_lsn"]) >= end, pulled
+    assert pulled["wal_bytes"] < (end - start) // 2, "only the WAL above the backed-up point"
+    st = status(sk4)
+    assert st["node_id"] == 4 and lsn_int(st["local_start_lsn"]) == lsn_int(pulled["start_lsn"])
+    # The new node serves the timeline from its start: the early WAL from the store.
+    recv = tmp_path / "recv"
+    recv.mkdir()
+    out = receivewal(sk4, recv, "--slot", "s1", "--endpos", before(stats["commit_lsn"]))
+    assert out.returncode == 0, out.stderr
+    full = sorted(p.name for p in recv.iterdir() if not p.name.endswith(".partial"))
+    first = start // SEG
+    assert full[: backed // SEG - first] == [seg_name(n) for n in range(first, backed // SEG)]
+    for name in full:
+        assert (recv / name).read_bytes() == (timeline_dir(sks[2]) / name).read_bytes(), name
+
+
 @pytest.mark.promise(12)
 def test_standby_built_after_removal_catches_up_from_the_backup(
     safekeeper_factory, store, pg_factory, tmp_path

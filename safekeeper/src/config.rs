@@ -8,16 +8,17 @@ use anyhow::{Context, bail};
 use clap::Parser;
 
 use crate::limits::parse_duration;
-use sk_core::types::NodeId;
 
 /// mini-safekeeper: accepts PostgreSQL WAL from a proposer (neon's safekeeper protocol v3),
 /// keeps it durably in WAL segments, and serves committed WAL to PostgreSQL readers.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "safekeeper", version, about, long_about = None)]
 pub struct Conf {
-    /// This safekeeper's node id (unique within a safekeeper set).
-    #[arg(long, env = "SAFEKEEPER_ID", default_value_t = 1)]
-    pub id: u64,
+    /// This safekeeper's node id (unique within a safekeeper set). Stored in the data
+    /// directory (`safekeeper.id`) at first start; later starts take it from there and refuse
+    /// a different one. Default for a new, empty data directory: 1.
+    #[arg(long, env = "SAFEKEEPER_ID")]
+    pub id: Option<u64>,
 
     /// Data directory: one sub-directory per tenant and timeline. Created if missing.
     #[arg(long, env = "SAFEKEEPER_DATADIR", default_value = "safekeeper_data")]
@@ -69,6 +70,13 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_MAX_CONNECTIONS", default_value_t = 256,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_connections: usize,
+
+    /// Most PostgreSQL-protocol connections in their startup handshake (not yet authenticated)
+    /// at once, apart from --max-connections: when a new one arrives at a full pool the oldest
+    /// handshaking one is closed, so sockets that never authenticate cannot keep clients out.
+    #[arg(long, env = "SAFEKEEPER_MAX_HANDSHAKING_CONNECTIONS", default_value_t = 64,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_handshaking_connections: usize,
 
     /// A PostgreSQL-protocol connection on which no byte arrives, or none is accepted, for this
     /// long is closed, streaming ones included (proposers send a heartbeat every second,
@@ -171,11 +179,6 @@ pub enum LogFormat {
 }
 
 impl Conf {
-    /// `--id` as a node id.
-    pub fn node_id(&self) -> NodeId {
-        NodeId(self.id)
-    }
-
     /// Refuses to listen beyond loopback without authentication, unless --allow-no-auth.
     pub fn check_open_binding(&self) -> anyhow::Result<()> {
         if self.auth_public_key_path.is_some() || self.allow_no_auth {
@@ -199,7 +202,7 @@ impl Conf {
     /// tests).
     pub fn for_tests(datadir: PathBuf) -> Conf {
         Conf {
-            id: 1,
+            id: Some(1),
             datadir,
             listen_pg: "127.0.0.1:0".parse().expect("valid address"),
             listen_http: "127.0.0.1:0".parse().expect("valid address"),
@@ -211,6 +214,7 @@ impl Conf {
             allow_no_auth: false,
             auth_ops_routes: false,
             max_connections: 256,
+            max_handshaking_connections: 64,
             max_open_segment_files: None,
             pg_idle_timeout: Duration::from_secs(600),
             handshake_timeout: Duration::from_secs(30),

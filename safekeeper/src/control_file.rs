@@ -278,7 +278,9 @@ fn decode_body(body: &[u8], version: u32) -> std::result::Result<TimelinePersist
 pub struct FileControlStore {
     fs: Fs,
     dir: PathBuf,
-    state: TimelinePersistentState,
+    /// Shared with the timeline's published view ([`FileControlStore::shared`]): a new `Arc`
+    /// per persist, so a reader sees one persisted state whole.
+    state: std::sync::Arc<TimelinePersistentState>,
     /// Skip fsyncs (tests only).
     no_sync: bool,
 }
@@ -313,7 +315,7 @@ impl FileControlStore {
         Ok(FileControlStore {
             fs,
             dir,
-            state,
+            state: std::sync::Arc::new(state),
             no_sync,
         })
     }
@@ -351,7 +353,7 @@ impl FileControlStore {
         Ok(FileControlStore {
             fs,
             dir,
-            state,
+            state: std::sync::Arc::new(state),
             no_sync,
         })
     }
@@ -386,6 +388,13 @@ fn write_durably(
     durable_rename(fs, &tmp, &path, dir, no_sync)
 }
 
+impl FileControlStore {
+    /// The persisted state, shared: the same `Arc` until the next persist.
+    pub fn shared(&self) -> std::sync::Arc<TimelinePersistentState> {
+        self.state.clone()
+    }
+}
+
 impl Deref for FileControlStore {
     type Target = TimelinePersistentState;
 
@@ -397,7 +406,7 @@ impl Deref for FileControlStore {
 impl ControlStore for FileControlStore {
     fn persist(&mut self, state: &TimelinePersistentState) -> Result<()> {
         write_durably(&self.fs, &self.dir, state, self.no_sync)?;
-        self.state = state.clone();
+        self.state = std::sync::Arc::new(state.clone());
         Ok(())
     }
 }

@@ -165,9 +165,10 @@ pub async fn bind(conf: &Conf) -> anyhow::Result<Listeners> {
     Ok(Listeners { http, pg })
 }
 
-/// How long shutdown waits for connections to finish their in-flight work.
-/// How often the WAL lifecycle driver starts backup and removal passes.
+/// How often the timeline managers' supervisor looks for new timelines and pending remote
+/// deletions (it is also woken by every create and delete), and the disk-usage loop measures.
 const LIFECYCLE_TICK: Duration = Duration::from_secs(1);
+/// How long shutdown waits for connections to finish their in-flight work.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
 
 /// Serves until `shutdown` resolves, then stops accepting, lets in-flight work finish (queued
@@ -204,12 +205,14 @@ pub async fn run(
         None => None,
     };
     let lock = DataDirLock::acquire(&conf.datadir)?;
+    let node_id = crate::node_id::resolve(&conf.datadir, conf.id)?;
     let pg_conf = WalServiceConf {
         server: ServerConfig {
             password,
             ..ServerConfig::default()
         },
         max_connections: conf.max_connections,
+        max_handshaking: conf.max_handshaking_connections,
         idle_timeout: conf.pg_idle_timeout,
         handshake_timeout: conf.handshake_timeout,
         auth: auth.clone(),
@@ -221,9 +224,9 @@ pub async fn run(
     );
     let started = Instant::now();
     let timelines = {
-        let (datadir, node_id, no_sync) = (conf.datadir.clone(), conf.node_id(), conf.no_sync);
+        let (datadir, no_sync) = (conf.datadir.clone(), conf.no_sync);
         let open_files = open_files.clone();
-        tokio::task::spawn_blocking(move || {
+        crate::blocking::spawn(move || {
             GlobalTimelines::load_in_with(Fs::real(), &datadir, node_id, no_sync, open_files)
         })
         .await
@@ -235,7 +238,7 @@ pub async fn run(
     crate::metrics::register();
     TimelineCollector::register(&timelines);
     tracing::info!(
-        id = conf.id,
+        id = node_id.0,
         datadir = %conf.datadir.display(),
         http = %listeners.http_addr(),
         pg = %listeners.pg_addr(),
@@ -263,26 +266,25 @@ pub async fn run(
 
     let cancel = CancellationToken::new();
     let tasks = TaskTracker::new();
-    let manager = tokio::spawn(timelines.clone().run_manager(cancel.clone()));
-    // WAL lifecycle (issue 19): backup and removal, only with remote storage.
-    let lifecycle = match remote {
-        Some(storage) => {
-            tracing::info!(
-                remote = storage.url(),
-                wal_keep_size = conf.wal_keep_size,
-                "WAL backup on"
-            );
-            let backup = crate::wal_backup::Backup::new(storage, conf.backup_parallelism);
-            Some(tokio::spawn(crate::wal_backup::run_lifecycle(
-                timelines.clone(),
-                backup,
-                conf.wal_keep_size,
-                LIFECYCLE_TICK,
-                cancel.clone(),
-            )))
-        }
-        None => None,
-    };
+    // The timeline managers (issue 26): control-file saves for every timeline, and with
+    // remote storage (issue 19) backup, removal and the remote side of deletions.
+    let backup = remote.map(|storage| {
+        tracing::info!(
+            remote = storage.url(),
+            wal_keep_size = conf.wal_keep_size,
+            "WAL backup on"
+        );
+        crate::wal_backup::Backup::new(storage, conf.backup_parallelism)
+    });
+    let manager = tokio::spawn(crate::lifecycle::run(
+        timelines.clone(),
+        crate::lifecycle::Settings {
+            backup,
+            wal_keep_size: conf.wal_keep_size,
+            supervise_every: LIFECYCLE_TICK,
+        },
+        cancel.clone(),
+    ));
     let limits = crate::disk_usage::DiskLimits {
         max_timeline_bytes: conf.max_timeline_disk_usage,
         max_fs_ratio: conf.max_disk_usage_ratio,
@@ -341,11 +343,11 @@ pub async fn run(
     }
     let _ = manager.await;
     let _ = recovery.await;
-    for task in [lifecycle, disk].into_iter().flatten() {
+    if let Some(task) = disk {
         let _ = task.await;
     }
     let _ = reloader.await;
-    tokio::task::spawn_blocking(move || timelines.persist_all())
+    crate::blocking::spawn(move || timelines.persist_all())
         .await
         .context("persisting timelines")?;
     match tokio::time::timeout(SHUTDOWN_GRACE, http).await {

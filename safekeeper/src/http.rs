@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 use axum::body::Bytes;
 use axum::error_handling::HandleErrorLayer;
 use axum::extract::rejection::RawPathParamsRejection;
-use axum::extract::{Extension, Path, RawPathParams, Request, State};
+use axum::extract::{Extension, Path, Query, RawPathParams, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -74,7 +74,9 @@ impl From<TimelineError> for ApiError {
                 ApiError::BadRequest(e.to_string())
             }
             TimelineError::Deleted(_) => ApiError::NotFound(e.to_string()),
-            TimelineError::Exists(_) => ApiError::Conflict(e.to_string()),
+            TimelineError::Exists(_) | TimelineError::BeingDeleted(_) => {
+                ApiError::Conflict(e.to_string())
+            }
             TimelineError::Storage(_) | TimelineError::Acceptor { .. } => {
                 ApiError::Internal(e.into())
             }
@@ -348,7 +350,7 @@ struct Status {
 
 async fn status(State(state): State<Arc<AppState>>) -> Json<Status> {
     Json(Status {
-        id: state.conf.id,
+        id: state.timelines.node_id().0,
         version: env!("CARGO_PKG_VERSION"),
         uptime_seconds: state.started.elapsed().as_secs_f64(),
         started_at_unix: state
@@ -412,7 +414,7 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
+    crate::blocking::spawn(f)
         .await
         .map_err(|e| ApiError::Internal(e.into()))
 }
@@ -554,15 +556,25 @@ async fn delete_tenant(
 async fn snapshot(
     State(state): State<Arc<AppState>>,
     Path((tenant_id, timeline_id)): Path<(String, String)>,
+    Query(q): Query<SnapshotQuery>,
     claims: Option<Extension<Claims>>,
 ) -> Result<Response, ApiError> {
     require_admin(&claims)?;
     let tl = find_timeline(&state, &tenant_id, &timeline_id)?;
     Ok((
         [(header::CONTENT_TYPE, "application/octet-stream")],
-        crate::pull::snapshot_body(tl),
+        crate::pull::snapshot_body(tl, q.remote),
     )
         .into_response())
+}
+
+/// `GET …/snapshot?remote=true`: the puller has remote storage (the snapshot may start at the
+/// backed-up point).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotQuery {
+    #[serde(default)]
+    remote: bool,
 }
 
 /// The body of `POST /v1/pull_timeline`.

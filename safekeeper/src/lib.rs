@@ -14,15 +14,19 @@
 //!    limits, idle timeouts); [`config`], [`logging`] and [`daemon`] tie everything together.
 
 pub mod auth;
+pub mod blocking;
 pub mod command;
 pub mod config;
 pub mod control_file;
 pub mod daemon;
 pub mod disk_usage;
 pub mod http;
+pub mod lifecycle;
 pub mod limits;
 pub mod logging;
+pub mod manager;
 pub mod metrics;
+pub mod node_id;
 pub mod peer;
 pub mod pull;
 pub mod receive_wal;

@@ -1,6 +1,8 @@
 //! Limits that keep a hostile or broken client from holding the daemon's resources: the number
 //! of PostgreSQL-protocol connections (excess ones get PostgreSQL's "too many connections"
-//! error), an idle timeout on every connection's reads and writes (streaming ones included),
+//! error), a separate small pool for connections still in their handshake
+//! ([`HandshakePool`]: when it is full the oldest is closed, so idle sockets that never
+//! authenticate cannot keep authenticated clients out), an idle timeout on every connection's reads and writes (streaming ones included),
 //! and the duration syntax of the flags that set them.
 //!
 //! Not here: the cap on messages before authentication (`pq_proto::server::ServerConfig::
@@ -14,15 +16,97 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
-use pq_proto::frontend::{GSSENC_REQUEST_CODE, SSL_REQUEST_CODE};
 use pq_proto::stream::MaybeTls;
-use pq_proto::{BackendMessage, ErrorFields, sqlstate};
+
+/// Connections in their startup handshake (not yet authenticated), at most `cap` at once: when
+/// a new one arrives at a full pool, the oldest is closed. Authenticated clients take their
+/// slot of `--max-connections` only once their handshake is done, so sockets that never finish
+/// one (issue 26, defect 8: 1,000 of them kept proposers out for the whole handshake timeout)
+/// only ever push each other out.
+pub struct HandshakePool {
+    cap: usize,
+    inner: std::sync::Mutex<HandshakeInner>,
+}
+
+#[derive(Default)]
+struct HandshakeInner {
+    next_id: u64,
+    /// Oldest first.
+    queue: std::collections::VecDeque<(u64, tokio_util::sync::CancellationToken)>,
+}
+
+/// A connection's place in the [`HandshakePool`]: its token is cancelled if it is pushed out;
+/// it leaves the pool on drop.
+pub struct HandshakeGuard {
+    pool: Arc<HandshakePool>,
+    id: u64,
+    evicted: tokio_util::sync::CancellationToken,
+}
+
+impl HandshakePool {
+    /// A pool of at most `cap` (at least 1) handshaking connections.
+    pub fn new(cap: usize) -> Arc<HandshakePool> {
+        Arc::new(HandshakePool {
+            cap: cap.max(1),
+            inner: Default::default(),
+        })
+    }
+
+    /// Enters a new connection, pushing the oldest out if the pool is full.
+    pub fn enter(self: &Arc<Self>) -> HandshakeGuard {
+        let evicted = tokio_util::sync::CancellationToken::new();
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        while inner.queue.len() >= self.cap {
+            if let Some((_, oldest)) = inner.queue.pop_front() {
+                oldest.cancel();
+                crate::metrics::PG_CONNECTIONS
+                    .with_label_values(&["handshake_evicted"])
+                    .inc();
+            }
+        }
+        let id = inner.next_id;
+        inner.next_id += 1;
+        inner.queue.push_back((id, evicted.clone()));
+        HandshakeGuard {
+            pool: self.clone(),
+            id,
+            evicted,
+        }
+    }
+
+    /// Connections in the pool now.
+    pub fn len(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .queue
+            .len()
+    }
+
+    /// Whether the pool is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl HandshakeGuard {
+    /// Fires when a newer connection pushed this one out of the pool.
+    pub fn evicted(&self) -> &tokio_util::sync::CancellationToken {
+        &self.evicted
+    }
+}
+
+impl Drop for HandshakeGuard {
+    fn drop(&mut self) {
+        let mut inner = self.pool.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.queue.retain(|(id, _)| *id != self.id);
+    }
+}
 
 /// Parses a duration flag: `500ms`, `30s`, `10m`, `2h`, or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -322,18 +406,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for IdleTimeout<S> {
     }
 }
 
-/// How many refused connections may be waiting for their error message to drain at once;
-/// beyond that, excess connections are closed without a word.
-const MAX_REFUSING: usize = 64;
-/// How long a refused connection is given to read its error.
-const REFUSE_LINGER: Duration = Duration::from_secs(1);
-
-/// The PostgreSQL-protocol connection limit: a slot per served connection.
+/// The PostgreSQL-protocol connection limit: a slot per served (authenticated) connection.
 #[derive(Clone)]
 pub struct ConnectionLimit {
     slots: Arc<Semaphore>,
-    refusing: Arc<Semaphore>,
-    max: usize,
 }
 
 impl ConnectionLimit {
@@ -341,62 +417,38 @@ impl ConnectionLimit {
     pub fn new(max: usize) -> ConnectionLimit {
         ConnectionLimit {
             slots: Arc::new(Semaphore::new(max)),
-            refusing: Arc::new(Semaphore::new(MAX_REFUSING)),
-            max,
         }
     }
 
-    /// A slot for a new connection, held for its life; `None` when all are taken.
+    /// A slot for a connection, held for its life; `None` when all are taken.
     pub fn try_acquire(&self) -> Option<OwnedSemaphorePermit> {
         self.slots.clone().try_acquire_owned().ok()
-    }
-
-    /// Refuses `stream` the way PostgreSQL does when it is full: encryption requests are
-    /// answered `N`, then FATAL 53300 "sorry, too many clients already" is sent once the startup
-    /// packet begins. Runs in its own task, within a second, bounded: when [`MAX_REFUSING`]
-    /// refusals are already under way, the connection is just closed.
-    pub fn refuse(&self, mut stream: TcpStream) {
-        let Ok(permit) = self.refusing.clone().try_acquire_owned() else {
-            return; // dropped: closed
-        };
-        let max = self.max;
-        tokio::spawn(async move {
-            let _permit = permit;
-            let mut buf = BytesMut::new();
-            BackendMessage::ErrorResponse(ErrorFields::fatal(
-                sqlstate::TOO_MANY_CONNECTIONS,
-                format!("sorry, too many clients already (--max-connections {max})"),
-            ))
-            .encode(&mut buf);
-            let _ = tokio::time::timeout(REFUSE_LINGER, async {
-                // As PostgreSQL: encryption requests are declined ('N') first, so libpq shows
-                // the error (it does not show one sent in answer to its SSLRequest).
-                for _ in 0..2 {
-                    let mut head = [0u8; 8];
-                    stream.read_exact(&mut head).await?;
-                    let len = u32::from_be_bytes([head[0], head[1], head[2], head[3]]);
-                    let code = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
-                    if len != 8 || (code != SSL_REQUEST_CODE && code != GSSENC_REQUEST_CODE) {
-                        break;
-                    }
-                    stream.write_all(b"N").await?;
-                }
-                stream.write_all(&buf).await?;
-                stream.shutdown().await?;
-                // Read what the client sent (its startup packet) until it closes, so the close
-                // is a FIN rather than a reset that could destroy the error before it is read.
-                let mut sink = [0u8; 1024];
-                while stream.read(&mut sink).await? > 0 {}
-                Ok::<(), io::Error>(())
-            })
-            .await;
-        });
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
+
+    #[test]
+    fn a_full_handshake_pool_closes_its_oldest_connection() {
+        let pool = HandshakePool::new(2);
+        let a = pool.enter();
+        let b = pool.enter();
+        assert!(!a.evicted().is_cancelled() && !b.evicted().is_cancelled());
+        let c = pool.enter();
+        assert!(a.evicted().is_cancelled(), "the oldest goes");
+        assert!(!b.evicted().is_cancelled() && !c.evicted().is_cancelled());
+        assert_eq!(pool.len(), 2);
+        // A connection that finished its handshake leaves: no one is pushed out for the next.
+        drop(b);
+        let d = pool.enter();
+        assert!(!c.evicted().is_cancelled() && !d.evicted().is_cancelled());
+        drop((a, c, d));
+        assert!(pool.is_empty());
+    }
 
     #[test]
     fn durations_parse_with_units() {

@@ -7,22 +7,32 @@
 //! 1. `CONTROL`: `u64 start`, `u64 flush`, then the control-file image of the durable state
 //!    (its own CRC-32C), all read under the acceptor lock at one moment;
 //! 2. `WAL` frames: `u64 lsn`, then up to 1 MiB of WAL from `start` on, in order, each read
-//!    under the acceptor lock in the snapshot's term (a new term aborts the stream: no mix of two
-//!    terms' WAL can be served);
+//!    under the acceptor lock in the snapshot's term and with its newest WAL's term (a new term,
+//!    or a new history in the same term, aborts the stream: no mix of two histories' WAL can be
+//!    served);
 //! 3. `END`: `u64 flush`, `u32` CRC-32C of all the WAL bytes.
 //!
 //! The producer runs on a blocking thread and hands frames to the response through a bounded
 //! channel (4 frames): the snapshot is never held whole in memory, and a slow puller slows the
 //! reads. The timeline's WAL is held from removal until the stream ends
-//! ([`Timeline::hold_wal`]).
+//! ([`Timeline::snapshot_point`]).
 //!
-//! The puller asks every peer for its status, needs a majority to answer (so the most advanced
-//! one among them holds every committed byte), streams the snapshot of the most advanced one into
-//! `<datadir>/tmp/`, refuses it if it is older than that peer's status said, checks the frames
-//! (sizes, order, the WAL checksum, the control file's CRC), fsyncs every file, decodes the WAL
-//! records up to the snapshot's flush LSN, and only then renames the directory into place
-//! ([`GlobalTimelines::install_pulled`]). A crash before the rename leaves only `tmp/`, emptied at
-//! start-up; after it, a complete verified timeline.
+//! Where the snapshot starts ([`crate::manager::snapshot_start`]): when the puller says it has
+//! remote storage (`?remote=true`) and the donor has it too, at the donor's backed-up point, so
+//! a timeline whose early WAL was removed after backup can be pulled (issue 26); the puller
+//! serves the WAL below from the store. Otherwise at the donor's first WAL, all of which must
+//! still be local.
+//!
+//! The puller asks every peer for its status, needs a majority of the timeline's members (of
+//! the hosts asked, without a membership configuration) to answer, so the most advanced one
+//! among them holds every committed byte ([`crate::manager::pull_quorum`]), streams the
+//! snapshot of the most advanced one into a directory of its own under `<datadir>/tmp/` (one
+//! pull of a timeline at a time), refuses it if it is older than that peer's status said, checks
+//! the frames (sizes, order, the WAL checksum, the control file's CRC), fsyncs every file,
+//! decodes the WAL records up to the snapshot's flush LSN, and only then installs it
+//! ([`GlobalTimelines::install_pulled`]: renamed into place under a tombstone, opened and
+//! verified, and only then made live). A crash before the tombstone is cleared leaves nothing
+//! that is served; after it, a complete verified timeline.
 //!
 //! Peers are reached through [`PeerClient`]: `host:port` over HTTP, `https://host:port` over
 //! HTTPS checked against `--peer-ca`, with `--peer-auth-token-path`'s token when given.
@@ -70,12 +80,13 @@ fn frame(kind: u8, payload: &[&[u8]]) -> Bytes {
 }
 
 /// The response body of `GET …/snapshot`: frames produced on a blocking thread.
-pub fn snapshot_body(tl: Arc<Timeline>) -> Body {
+/// `remote`: the puller has remote storage (see the module docs).
+pub fn snapshot_body(tl: Arc<Timeline>, remote: bool) -> Body {
     let (tx, rx) = mpsc::channel(4);
     let span = crate::timeline::span(&tl.ttid);
-    tokio::task::spawn_blocking(move || {
+    crate::blocking::spawn(move || {
         let _span = span.entered();
-        match produce(&tl, &tx) {
+        match produce(&tl, remote, &tx) {
             Ok(bytes) => tracing::info!(bytes, "snapshot served"),
             Err(e) => {
                 tracing::warn!("snapshot aborted: {e}");
@@ -88,20 +99,17 @@ pub fn snapshot_body(tl: Arc<Timeline>) -> Body {
 }
 
 /// Sends the snapshot's frames; returns the WAL bytes sent.
-fn produce(tl: &Timeline, tx: &mpsc::Sender<Result<Bytes, std::io::Error>>) -> Result<u64, String> {
+fn produce(
+    tl: &Timeline,
+    remote: bool,
+    tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
+) -> Result<u64, String> {
     let send = |b: Bytes| {
         tx.blocking_send(Ok(b))
             .map_err(|_| "the puller went away".to_string())
     };
-    let p = tl.snapshot_point();
-    // Keeps the WAL from removal until the transfer ends.
-    let _hold = tl.hold_wal(p.start).ok_or_else(|| {
-        format!(
-            "WAL from {} was removed after backup: a timeline whose WAL was removed cannot be \
-             pulled yet",
-            p.start
-        )
-    })?;
+    // Holds the WAL from removal until the transfer ends (dropped with `p`).
+    let p = tl.snapshot_point(remote)?;
     send(Bytes::from_static(SNAPSHOT_MAGIC))?;
     send(frame(
         FRAME_CONTROL,
@@ -117,12 +125,19 @@ fn produce(tl: &Timeline, tx: &mpsc::Sender<Result<Bytes, std::io::Error>>) -> R
     while pos < p.flush {
         let end = Lsn((pos.0 + CHUNK).min(p.flush.0));
         buf.clear();
-        match tl.read_wal_in_term(p.term, pos, end, &mut buf) {
+        match tl.read_wal_in_term(p.term, Some(p.last_log_term), pos, end, &mut buf) {
             Ok(TermRead::Read) => {}
             Ok(TermRead::TermChanged(t)) => {
                 return Err(format!(
                     "term changed from {} to {t} during the snapshot; pull again",
                     p.term
+                ));
+            }
+            Ok(TermRead::LogTermChanged(t)) => {
+                return Err(format!(
+                    "the newest WAL's term changed from {} to {t} during the snapshot (a new \
+                     history in term {}); pull again",
+                    p.last_log_term, p.term
                 ));
             }
             Ok(TermRead::Truncated(l)) => {
@@ -193,8 +208,10 @@ pub struct Pulled {
 /// The part of a peer's timeline status the puller compares.
 #[derive(Debug, Deserialize)]
 struct PeerStatus {
+    node_id: sk_core::types::NodeId,
     last_log_term: Term,
     flush_lsn: String,
+    mconf: sk_core::state::Configuration,
 }
 
 /// `POST /v1/pull_timeline`: copies `ttid` from the most advanced of `hosts` (a majority must
@@ -211,6 +228,8 @@ pub fn pull_timeline(
     if timelines.get(&ttid).is_some() {
         return Err(PullError::Exists(ttid));
     }
+    // One pull of a timeline at a time; its directory is its own (issue 26).
+    let (tmp, _pulling) = timelines.begin_pull(&ttid)?;
     let path = format!(
         "/v1/tenant/{}/timeline/{}",
         ttid.tenant_id, ttid.timeline_id
@@ -228,32 +247,33 @@ pub fn pull_timeline(
                 .flush_lsn
                 .parse()
                 .map_err(|e| format!("{host}: flush_lsn: {e}"))?;
-            Ok((s.last_log_term, flush))
+            Ok(((s.last_log_term, flush), s.node_id, s.mconf))
         }) {
-            Ok(pos) => answers.push((pos, host.clone())),
+            Ok((pos, id, mconf)) => answers.push((pos, host.clone(), id, mconf)),
             Err(e) => failures.push(e),
         }
     }
-    let quorum = hosts.len() / 2 + 1;
-    if answers.len() < quorum {
-        return Err(PullError::Peer(format!(
-            "only {} of {} peers answered (a majority, {quorum}, is needed to know the newest \
-             copy): {}",
-            answers.len(),
-            hosts.len(),
-            failures.join("; ")
-        )));
+    // The newest configuration any of them knows says whose majority is needed.
+    let mconf = answers
+        .iter()
+        .map(|a| &a.3)
+        .max_by_key(|m| m.generation)
+        .cloned()
+        .unwrap_or_default();
+    let ids: Vec<_> = answers.iter().map(|a| a.2).collect();
+    if let Err(why) = crate::manager::pull_quorum(&ids, &mconf, hosts.len()) {
+        let failed = if failures.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", failures.join("; "))
+        };
+        return Err(PullError::Peer(format!("{why}{failed}")));
     }
-    answers.sort();
-    let ((best_term, best_flush), source) = answers.pop().expect("a quorum answered");
+    answers.sort_by_key(|a| a.0);
+    let ((best_term, best_flush), source, _, _) = answers.pop().expect("a quorum answered");
     tracing::info!(%source, %best_term, %best_flush, "pulling from the most advanced peer");
 
-    let tmp = timelines.pull_tmp_dir(&ttid);
     let fs = timelines.fs().clone();
-    if fs.exists(&tmp) {
-        fs.remove_dir_all(&tmp)
-            .map_err(|e| TimelineError::io(format!("removing {}", tmp.display()), e))?;
-    }
     fs.create_dir_all(&tmp)
         .map_err(|e| TimelineError::io(format!("creating {}", tmp.display()), e))?;
     let result = receive(
@@ -295,8 +315,10 @@ fn receive(
     let no_sync = timelines.no_sync();
     let peer = |m: String| PullError::Peer(format!("{source}: {m}"));
     let path = format!(
-        "/v1/tenant/{}/timeline/{}/snapshot",
-        ttid.tenant_id, ttid.timeline_id
+        "/v1/tenant/{}/timeline/{}/snapshot?remote={}",
+        ttid.tenant_id,
+        ttid.timeline_id,
+        timelines.remote_storage_on()
     );
     let mut r =
         BufReader::with_capacity(1 << 20, client.get(source, &path).map_err(PullError::Peer)?);

@@ -120,7 +120,7 @@ fn spawn_queue_acceptor(
 ) -> tokio::task::JoinHandle<()> {
     // The acceptor logs in the caller's span (the timeline's).
     let span = tracing::Span::current();
-    tokio::task::spawn_blocking(move || {
+    crate::blocking::spawn(move || {
         let mut link = QueueLink { rx, tx };
         // A queue needs no I/O driver: the plain executor parks this thread between messages.
         span.in_scope(|| futures::executor::block_on(run_acceptor(&tl, &mut link, source)));
@@ -226,7 +226,7 @@ where
         shutdown,
     };
     let span = tracing::Span::current();
-    let session = tokio::task::spawn_blocking(move || {
+    let session = crate::blocking::spawn(move || {
         let _entered = span.enter();
         own_runtime_session(conn, ctx)
     });

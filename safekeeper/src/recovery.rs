@@ -287,7 +287,7 @@ async fn check_and_recover(
     }
     let views = {
         let (client, ttid) = (client.clone(), tl.ttid);
-        tokio::task::spawn_blocking(move || {
+        crate::blocking::spawn(move || {
             asked
                 .iter()
                 .filter_map(|(id, http)| match peer_view(&client, ttid, *id, http) {
@@ -534,7 +534,7 @@ async fn verify_donor(
     term: Term,
 ) -> Result<(), String> {
     let (client, donor) = (client.clone(), donor.clone());
-    tokio::task::spawn_blocking(move || {
+    crate::blocking::spawn(move || {
         donor_node_status(&client, &donor)?;
         let fresh = peer_view(&client, ttid, donor.id, &donor.http)?;
         recheck_donor(&donor, &fresh, term)
@@ -570,7 +570,7 @@ async fn recover(
     }
     let (host, port, tls) = {
         let (tl, client, donor) = (tl.clone(), client.clone(), donor.clone());
-        tokio::task::spawn_blocking(move || donor_pg_addr(&tl, &client, &donor))
+        crate::blocking::spawn(move || donor_pg_addr(&tl, &client, &donor))
             .await
             .map_err(|e| e.to_string())??
     };
@@ -822,7 +822,7 @@ mod tests {
         assert_eq!(tl.positions().flush_lsn, before, "no recovery WAL applied");
         // Without a proposer, the same message is taken.
         drop(proposer);
-        tl.process_recovery_msg(&append(start, &wal))
+        crate::blocking::section(|| tl.process_recovery_msg(&append(start, &wal)))
             .expect("taken with no proposer");
     }
 

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use pg_wal::format::is_valid_seg_size;
 use prometheus::core::{Collector, Desc};
@@ -28,20 +28,51 @@ use sk_core::protocol::ProposerGreeting;
 use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
 use sk_core::storage::durable::fsync_dir;
 use sk_core::storage::fs::{Fs, OpenMode};
-use sk_core::types::{NodeId, TenantId, TenantTimelineId};
+use sk_core::types::{NodeId, TenantId, TenantTimelineId, TimelineId};
 
 use crate::control_file::{CONTROL_FILE_NAME, FileControlStore};
 use crate::timeline::{Timeline, TimelineError};
 use crate::wal_store::OpenFiles;
 
-/// How often the timeline manager looks for in-memory state to persist.
-const MANAGER_TICK: Duration = Duration::from_millis(300);
 /// Where new timelines are built before they are renamed into place, and where deleted ones
 /// are moved before they are removed. Emptied at start-up.
 const TMP_DIR: &str = "tmp";
 /// Tombstones of deleted timelines (`<tenant_id>_<timeline_id>`) and tenants (`<tenant_id>`):
-/// empty files, durable before a deletion starts and cleared by an explicit create.
+/// durable before a deletion starts and cleared by an explicit create. Empty, or holding
+/// [`REMOTE_PENDING`] while the deleted objects in remote storage are still to be deleted.
 const TOMBSTONE_DIR: &str = "tombstones";
+/// A tombstone's content while its remote objects are still to be deleted.
+const REMOTE_PENDING: &[u8] = b"remote-pending\n";
+
+/// A deletion whose remote objects are still to be deleted (its tombstone says so).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteDeletion {
+    /// The tombstone's name.
+    pub name: String,
+    /// The tenant.
+    pub tenant_id: TenantId,
+    /// The timeline, or `None` for the whole tenant.
+    pub timeline_id: Option<TimelineId>,
+}
+
+impl RemoteDeletion {
+    fn parse(name: &str) -> Option<RemoteDeletion> {
+        let (tenant, timeline) = match name.split_once('_') {
+            Some((t, tl)) => (t, Some(tl.parse().ok()?)),
+            None => (name, None),
+        };
+        Some(RemoteDeletion {
+            name: name.to_string(),
+            tenant_id: tenant.parse().ok()?,
+            timeline_id: timeline,
+        })
+    }
+
+    /// Whether timeline `ttid` is among what it deletes.
+    pub fn covers(&self, ttid: &TenantTimelineId) -> bool {
+        self.tenant_id == ttid.tenant_id && self.timeline_id.is_none_or(|t| t == ttid.timeline_id)
+    }
+}
 
 /// The tombstone name of a timeline.
 fn timeline_tombstone(ttid: &TenantTimelineId) -> String {
@@ -74,6 +105,30 @@ pub struct GlobalTimelines {
     create_lock: Mutex<()>,
     /// Tombstone names ([`TOMBSTONE_DIR`]) of deleted timelines and tenants.
     tombstones: Mutex<std::collections::HashSet<String>>,
+    /// Tombstones whose remote objects are still to be deleted ([`REMOTE_PENDING`]).
+    remote_pending: Mutex<std::collections::BTreeSet<String>>,
+    /// Whether the node backs WAL up (a deletion then has remote objects to delete).
+    remote_on: std::sync::atomic::AtomicBool,
+    /// Wakes the manager supervisor ([`crate::lifecycle`]): a timeline was added or deleted.
+    changed: tokio::sync::Notify,
+    /// Timelines being pulled here (one pull of a timeline at a time).
+    pulling: Arc<Mutex<std::collections::HashSet<TenantTimelineId>>>,
+}
+
+/// A pull in progress ([`GlobalTimelines::begin_pull`]); the timeline may be pulled again once
+/// it drops.
+pub struct PullGuard {
+    pulling: Arc<Mutex<std::collections::HashSet<TenantTimelineId>>>,
+    ttid: TenantTimelineId,
+}
+
+impl Drop for PullGuard {
+    fn drop(&mut self) {
+        self.pulling
+            .lock()
+            .expect("pulling lock")
+            .remove(&self.ttid);
+    }
 }
 
 impl GlobalTimelines {
@@ -116,10 +171,14 @@ impl GlobalTimelines {
         }
         let tombstone_dir = datadir.join(TOMBSTONE_DIR);
         let mut tombstones = std::collections::HashSet::new();
+        let mut remote_pending = std::collections::BTreeSet::new();
         if fs.is_dir(&tombstone_dir) {
             for p in list_dir_sorted(&fs, &tombstone_dir)? {
                 if let Some(n) = p.file_name().and_then(|n| n.to_str()) {
                     tombstones.insert(n.to_string());
+                    if read_small(&fs, &p)? == REMOTE_PENDING {
+                        remote_pending.insert(n.to_string());
+                    }
                 }
             }
         }
@@ -163,7 +222,74 @@ impl GlobalTimelines {
             map: Mutex::new(map),
             create_lock: Mutex::new(()),
             tombstones: Mutex::new(tombstones),
+            remote_pending: Mutex::new(remote_pending),
+            remote_on: std::sync::atomic::AtomicBool::new(false),
+            changed: tokio::sync::Notify::new(),
+            pulling: Default::default(),
         })
+    }
+
+    /// Whether the node backs WAL up (a pull then takes a snapshot from the backed-up point).
+    pub fn remote_storage_on(&self) -> bool {
+        self.remote_on.load(Ordering::SeqCst)
+    }
+
+    /// Says the node backs WAL up: a deletion from now on leaves its remote objects to delete
+    /// (recorded in its tombstone, done by [`crate::lifecycle`]).
+    pub fn set_remote_storage(&self, on: bool) {
+        self.remote_on.store(on, Ordering::SeqCst);
+    }
+
+    /// Notified when a timeline is added or deleted (one stored permit).
+    pub fn changed(&self) -> &tokio::sync::Notify {
+        &self.changed
+    }
+
+    /// The deletions whose remote objects are still to be deleted.
+    pub fn pending_remote_deletions(&self) -> Vec<RemoteDeletion> {
+        self.remote_pending
+            .lock()
+            .expect("remote pending lock")
+            .iter()
+            .filter_map(|n| RemoteDeletion::parse(n))
+            .collect()
+    }
+
+    /// Whether a deletion covering `ttid` still has remote objects to delete.
+    fn remote_deletion_pending(&self, ttid: &TenantTimelineId) -> bool {
+        self.pending_remote_deletions()
+            .iter()
+            .any(|d| d.covers(ttid))
+    }
+
+    /// Records durably that tombstone `name`'s remote objects are deleted (its content is
+    /// emptied); a timeline with those ids may be created again. Blocking.
+    pub fn remote_deletion_done(&self, name: &str) -> Result<(), TimelineError> {
+        let _creating = self.create_lock.lock().expect("create lock");
+        let path = self.datadir.join(TOMBSTONE_DIR).join(name);
+        if self.fs.exists(&path) {
+            let f = self
+                .fs
+                .open(&path, OpenMode::CreateTruncate)
+                .map_err(|e| TimelineError::io(format!("writing {}", path.display()), e))?;
+            if !self.no_sync {
+                f.sync(sk_core::storage::fs::SyncKind::All)
+                    .map_err(|e| TimelineError::io(format!("fsync {}", path.display()), e))?;
+            }
+        }
+        self.remote_pending
+            .lock()
+            .expect("remote pending lock")
+            .remove(name);
+        Ok(())
+    }
+
+    /// Refuses a new timeline `ttid` while a deletion of the same ids has remote objects left.
+    fn refuse_while_deleting(&self, ttid: &TenantTimelineId) -> Result<(), TimelineError> {
+        if self.remote_deletion_pending(ttid) {
+            return Err(TimelineError::BeingDeleted(*ttid));
+        }
+        Ok(())
     }
 
     /// This node's id.
@@ -229,6 +355,7 @@ impl GlobalTimelines {
             .lock()
             .expect("timelines lock")
             .insert(ttid, tl.clone());
+        self.changed.notify_one();
         tracing::info!(seg_size = greeting.wal_seg_size, "timeline created");
         Ok(tl)
     }
@@ -251,6 +378,7 @@ impl GlobalTimelines {
         if self.get(&req.ttid).is_some() {
             return Err(TimelineError::Exists(req.ttid));
         }
+        self.refuse_while_deleting(&req.ttid)?;
         // A crash after the rename and before the tombstones are cleared leaves a tombstoned
         // directory, removed at start-up: this create was not acknowledged.
         let tl = Arc::new(self.create(req)?);
@@ -264,6 +392,7 @@ impl GlobalTimelines {
             .lock()
             .expect("timelines lock")
             .insert(req.ttid, tl.clone());
+        self.changed.notify_one();
         tracing::info!(mconf = ?req.mconf, start_lsn = %req.start_lsn, "timeline created over HTTP");
         Ok(tl)
     }
@@ -283,17 +412,40 @@ impl GlobalTimelines {
         self.no_sync
     }
 
-    /// Where a pull of `ttid` builds the timeline (under `tmp/`, emptied at start-up).
-    pub fn pull_tmp_dir(&self, ttid: &TenantTimelineId) -> PathBuf {
-        self.datadir
-            .join(TMP_DIR)
-            .join(format!("pull_{}_{}", ttid.tenant_id, ttid.timeline_id))
+    /// Starts a pull of `ttid`: refused while another pull of it runs here or while a
+    /// deletion of it has remote objects left. Returns the directory (unique, under `tmp/`,
+    /// emptied at start-up) the pull builds it in, and the guard that ends the pull.
+    pub fn begin_pull(
+        &self,
+        ttid: &TenantTimelineId,
+    ) -> Result<(PathBuf, PullGuard), TimelineError> {
+        self.refuse_while_deleting(ttid)?;
+        if !self.pulling.lock().expect("pulling lock").insert(*ttid) {
+            return Err(TimelineError::BadRequest(format!(
+                "a pull of timeline {ttid} is in progress on this safekeeper"
+            )));
+        }
+        let guard = PullGuard {
+            pulling: self.pulling.clone(),
+            ttid: *ttid,
+        };
+        let nanos = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let dir = self.datadir.join(TMP_DIR).join(format!(
+            "pull_{}_{}_{nanos}",
+            ttid.tenant_id, ttid.timeline_id
+        ));
+        Ok((dir, guard))
     }
 
-    /// Installs a pulled timeline built (and made durable) in `tmp`: renames it into place
-    /// durably, clears its tombstones, opens it (which verifies it again) and registers it.
-    /// Refuses if the timeline appeared meanwhile, or if it opens with another end of WAL than
-    /// `flush`. Blocking.
+    /// Installs a pulled timeline built (and made durable) in `tmp`: under a durable tombstone
+    /// (so a crash before the end leaves nothing that is served: start-up removes a tombstoned
+    /// directory), renames it into place durably, opens it (which verifies it again), and only
+    /// then clears its tombstones and registers it. Refuses if the timeline appeared meanwhile,
+    /// or if it opens with another end of WAL than `flush` (the directory is then removed).
+    /// Blocking.
     pub fn install_pulled(
         &self,
         ttid: TenantTimelineId,
@@ -306,6 +458,10 @@ impl GlobalTimelines {
             let _ = fs.remove_dir_all(tmp);
             return Err(TimelineError::Exists(ttid));
         }
+        if let Err(e) = self.refuse_while_deleting(&ttid) {
+            let _ = fs.remove_dir_all(tmp);
+            return Err(e);
+        }
         let dir = self
             .datadir
             .join(ttid.tenant_id.to_string())
@@ -314,33 +470,61 @@ impl GlobalTimelines {
             // Files of a timeline this node does not serve (its deletion was interrupted).
             remove_durably(fs, &self.datadir, &dir, self.no_sync)?;
         }
-        let dir = self.rename_into_place(tmp, ttid)?;
-        for name in [ttid.tenant_id.to_string(), timeline_tombstone(&ttid)] {
-            self.clear_tombstone(&name)?;
+        let name = timeline_tombstone(&ttid);
+        let tombstoned = self.is_tombstoned(&ttid);
+        if !self
+            .tombstones
+            .lock()
+            .expect("tombstones lock")
+            .contains(&name)
+        {
+            // Not live until verified; no remote deletion to record (nothing was deleted).
+            self.write_tombstone_with(&name, false)?;
         }
-        let tl = Arc::new(Timeline::open(
-            fs,
-            &dir,
-            self.node_id,
-            self.no_sync,
-            &self.open_files,
-        )?);
-        if tl.positions().flush_lsn != flush {
-            return Err(TimelineError::BadRequest(format!(
-                "the pulled timeline opened with its WAL ending at {}, the snapshot said {flush}",
-                tl.positions().flush_lsn
-            )));
+        let dir = self.rename_into_place(tmp, ttid)?;
+        let opened = Timeline::open(fs, &dir, self.node_id, self.no_sync, &self.open_files)
+            .and_then(|tl| {
+                if tl.positions().flush_lsn != flush {
+                    return Err(TimelineError::BadRequest(format!(
+                        "the pulled timeline opened with its WAL ending at {}, the snapshot \
+                         said {flush}",
+                        tl.positions().flush_lsn
+                    )));
+                }
+                Ok(tl)
+            });
+        let tl = match opened {
+            Ok(tl) => Arc::new(tl),
+            Err(e) => {
+                // Never served: remove it under its tombstone, and leave the tombstones as
+                // they were.
+                let _ = remove_durably(fs, &self.datadir, &dir, self.no_sync);
+                if !tombstoned {
+                    let _ = self.clear_tombstone(&name);
+                }
+                return Err(e);
+            }
+        };
+        for name in [ttid.tenant_id.to_string(), name] {
+            self.clear_tombstone(&name)?;
         }
         self.map
             .lock()
             .expect("timelines lock")
             .insert(ttid, tl.clone());
+        self.changed.notify_one();
         tracing::info!(%ttid, %flush, "pulled timeline installed");
         Ok(tl)
     }
 
-    /// Writes tombstone `name` durably (an empty file, its directory entry fsynced).
+    /// Writes tombstone `name` durably (its directory entry fsynced), marking its remote
+    /// objects to delete when the node backs WAL up.
     fn write_tombstone(&self, name: &str) -> Result<(), TimelineError> {
+        self.write_tombstone_with(name, self.remote_on.load(Ordering::SeqCst))
+    }
+
+    /// [`GlobalTimelines::write_tombstone`], with or without a pending remote deletion.
+    fn write_tombstone_with(&self, name: &str, remote: bool) -> Result<(), TimelineError> {
         let fs = &self.fs;
         let dir = self.datadir.join(TOMBSTONE_DIR);
         let new_dir = !fs.exists(&dir);
@@ -350,7 +534,21 @@ impl GlobalTimelines {
         let file = fs
             .open(&path, OpenMode::CreateTruncate)
             .map_err(|e| TimelineError::io(format!("writing {}", path.display()), e))?;
+        if remote {
+            file.write_all_at(REMOTE_PENDING, 0)
+                .map_err(|e| TimelineError::io(format!("writing {}", path.display()), e))?;
+            if !self.no_sync {
+                file.sync(sk_core::storage::fs::SyncKind::All)
+                    .map_err(|e| TimelineError::io(format!("fsync {}", path.display()), e))?;
+            }
+        }
         drop(file);
+        if remote {
+            self.remote_pending
+                .lock()
+                .expect("remote pending lock")
+                .insert(name.to_string());
+        }
         if !self.no_sync {
             fsync_dir(fs, &dir);
             if new_dir {
@@ -386,6 +584,10 @@ impl GlobalTimelines {
             .lock()
             .expect("tombstones lock")
             .remove(name);
+        self.remote_pending
+            .lock()
+            .expect("remote pending lock")
+            .remove(name);
         Ok(())
     }
 
@@ -407,6 +609,7 @@ impl GlobalTimelines {
         if existed {
             remove_durably(&self.fs, &self.datadir, &dir, self.no_sync)?;
         }
+        self.changed.notify_one();
         tracing::info!(%ttid, existed, "timeline deleted over HTTP");
         Ok(existed || tl.is_some())
     }
@@ -433,6 +636,7 @@ impl GlobalTimelines {
         if self.fs.exists(&dir) {
             remove_durably(&self.fs, &self.datadir, &dir, self.no_sync)?;
         }
+        self.changed.notify_one();
         tracing::info!(%tenant_id, timelines = gone.len(), "tenant deleted over HTTP");
         Ok(gone.len())
     }
@@ -507,33 +711,27 @@ impl GlobalTimelines {
         Ok(dir)
     }
 
-    /// Persists every timeline's in-memory state that is due, or all of it with `force`.
-    /// Blocking. Failures are logged: the next round (or shutdown) tries again.
-    fn persist(&self, force: bool) {
+    /// Persists every timeline's in-memory state (shutdown). Blocking. Failures are logged.
+    pub fn persist_all(&self) {
         for tl in self.all() {
-            if let Err(e) = tl.maybe_persist(force) {
+            if let Err(e) = tl.maybe_persist(true) {
                 let _span = crate::timeline::span(&tl.ttid).entered();
                 tracing::error!("persisting control file: {e}");
             }
         }
     }
+}
 
-    /// Persists every timeline's in-memory state (shutdown). Blocking.
-    pub fn persist_all(&self) {
-        self.persist(true);
-    }
-
-    /// The timeline manager: persists in-memory LSNs off the ingest path, every 300 ms when due.
-    /// Runs until `shutdown` is cancelled. Cancellation-safe.
-    pub async fn run_manager(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
-        let mut ticker = crate::ticker::Ticker::new(MANAGER_TICK);
-        while ticker.tick(&shutdown).await {
-            let me = self.clone();
-            if let Err(e) = tokio::task::spawn_blocking(move || me.persist(false)).await {
-                tracing::error!("timeline manager task failed: {e}");
-            }
-        }
-    }
+/// The content of small file `path` (a tombstone).
+fn read_small(fs: &Fs, path: &Path) -> Result<Vec<u8>, TimelineError> {
+    let f = fs
+        .open(path, OpenMode::Read)
+        .map_err(|e| TimelineError::io(format!("reading {}", path.display()), e))?;
+    let mut buf = vec![0u8; 64];
+    let n = sk_core::storage::fs::read_full_at(&*f, &mut buf, 0)
+        .map_err(|e| TimelineError::io(format!("reading {}", path.display()), e))?;
+    buf.truncate(n);
+    Ok(buf)
 }
 
 /// Timelines opened at once at start-up. Opening one fsyncs its control file and recovered WAL;

@@ -9,13 +9,16 @@
 //! for any WAL from the timeline start, and nothing else could serve it.
 //!
 //! Readers take a [`ReadHold`] at their start position before opening a segment and move it as
-//! they stream; removal computes the horizon and unlinks under the same lock the holds are taken
-//! and checked under, so a segment is never removed under a reader that holds it, and a reader
-//! never gets a hold below what was removed (it is refused, and serves from the backup).
-//! Removal fsyncs the directory before it reports the segments removed.
+//! they stream; removal computes the horizon and *claims* the segments below it under the lock
+//! the holds are taken and checked under, then unlinks them without it, so a segment is never
+//! removed under a reader that holds it, and a reader never gets a hold below what was claimed
+//! (it is refused, and serves from the backup). The holds' lock is a leaf
+//! ([`crate::blocking::LeafMutex`]): no I/O under it, so taking a hold never waits for an
+//! unlink or a directory fsync. Removal fsyncs the directory before it reports the segments
+//! removed.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use std::path::Path;
 
@@ -24,6 +27,7 @@ use pg_wal::lsn::XLOG_BLCKSZ;
 use sk_core::storage::fs::Fs;
 use sk_core::types::Lsn;
 
+use crate::blocking::{LeafGuard, LeafMutex};
 use crate::timeline::TimelineError;
 
 /// The lowest-numbered segment file (complete or `.partial`) in timeline directory `dir`.
@@ -78,14 +82,14 @@ pub fn removal_horizon(i: &HorizonInputs) -> Lsn {
 /// The positions readers of one timeline hold, and the first segment still kept locally.
 #[derive(Default)]
 pub struct ReadHolds {
-    inner: Mutex<HoldsInner>,
+    inner: LeafMutex<HoldsInner>,
 }
 
 #[derive(Default)]
 struct HoldsInner {
     next_id: u64,
     holds: BTreeMap<u64, Lsn>,
-    /// Every local segment below this number was removed.
+    /// Every local segment below this number was removed, or is being removed.
     removed_below: u64,
 }
 
@@ -99,15 +103,15 @@ impl ReadHolds {
     /// Holds that start with segments below `removed_below` already gone.
     pub fn new(removed_below: u64) -> ReadHolds {
         ReadHolds {
-            inner: Mutex::new(HoldsInner {
+            inner: LeafMutex::new(HoldsInner {
                 removed_below,
                 ..HoldsInner::default()
             }),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HoldsInner> {
-        self.inner.lock().expect("read holds lock poisoned")
+    fn lock(&self) -> LeafGuard<'_, HoldsInner> {
+        self.inner.lock()
     }
 
     /// Holds WAL from `lsn` on, if its segment is still local; `None` if it was removed.
@@ -130,25 +134,35 @@ impl ReadHolds {
         self.lock().removed_below
     }
 
-    /// Under the holds' lock: `compute(oldest held position)` gives the horizon, and `remove(n)`
-    /// removes the local segments below `n` (the horizon's segment), returning how many it
-    /// removed. Nothing is removed below what a hold needs, and no hold is taken meanwhile.
+    /// The oldest position a reader holds.
+    pub fn oldest(&self) -> Option<Lsn> {
+        self.lock().holds.values().min().copied()
+    }
+
+    /// Under the holds' lock, `compute(oldest held position)` gives the horizon and the local
+    /// segments below its segment are claimed (no hold is granted there from then on); then,
+    /// without the lock, `remove(n)` removes the segments below `n`, returning how many it
+    /// removed. Nothing is removed below what a hold needs.
     pub fn remove_below<E>(
         &self,
         seg_size: u64,
         compute: impl FnOnce(Option<Lsn>) -> Lsn,
         remove: impl FnOnce(u64) -> Result<usize, E>,
     ) -> Result<usize, E> {
-        let mut inner = self.lock();
-        let oldest = inner.holds.values().min().copied();
-        let horizon = compute(oldest);
-        let below = horizon.segment_number(seg_size);
-        if !horizon.is_valid() || below <= inner.removed_below {
-            return Ok(0);
-        }
-        let n = remove(below)?;
-        inner.removed_below = below;
-        Ok(n)
+        let below = {
+            let mut inner = self.lock();
+            let oldest = inner.holds.values().min().copied();
+            let horizon = compute(oldest);
+            let below = horizon.segment_number(seg_size);
+            if !horizon.is_valid() || below <= inner.removed_below {
+                return Ok(0);
+            }
+            // Claimed before the first unlink: a reader that arrives meanwhile is refused and
+            // served from the store, never handed a segment that is about to go.
+            inner.removed_below = below;
+            below
+        };
+        remove(below)
     }
 }
 

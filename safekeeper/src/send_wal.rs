@@ -256,13 +256,13 @@ where
                     let read = {
                         let tl = tl.clone();
                         let mut b = std::mem::take(&mut buf);
-                        tokio::task::spawn_blocking(move || {
+                        crate::blocking::spawn(move || {
                             #[cfg(test)]
                             tl.run_before_wal_read_hook();
                             // A (term='N') reader's term check covers its read: both happen under
                             // the acceptor lock, so a new term cannot truncate the range between.
                             let r = match term {
-                                Some(t) => tl.read_wal_in_term(t, pos, chunk_end, &mut b),
+                                Some(t) => tl.read_wal_in_term(t, None, pos, chunk_end, &mut b),
                                 None => tl.read_wal(pos, chunk_end, &mut b).map(|()| TermRead::Read),
                             };
                             (r, b)
@@ -276,8 +276,9 @@ where
                         Ok(TermRead::TermChanged(now)) => {
                             return Err(term_changed(term.unwrap_or(now), now));
                         }
-                        // Truncated in the same term: look at the positions again.
-                        Ok(TermRead::Truncated(_)) => continue,
+                        // Truncated in the same term (a new history in it): look at the
+                        // positions again.
+                        Ok(TermRead::Truncated(_) | TermRead::LogTermChanged(_)) => continue,
                         Err(e) => {
                             tracing::error!("reading WAL at {pos}: {e}");
                             return Err(Ending::Error(ErrorFields::error(

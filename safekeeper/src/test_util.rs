@@ -46,9 +46,10 @@ pub fn load(fs: &Fs) -> GlobalTimelines {
 }
 
 /// Runs `msg` through the timeline's acceptor, which must take it.
+/// A blocking section ([`crate::blocking`]): tests drive the acceptor from their own thread,
+/// which may be a tokio test's.
 pub fn run(tl: &Timeline, msg: ProposerAcceptorMessage) -> Option<AcceptorProposerMessage> {
-    tl.process_msg(&msg)
-        .expect("the acceptor takes the message")
+    crate::blocking::section(|| tl.process_msg(&msg)).expect("the acceptor takes the message")
 }
 
 /// Asks for a vote in `term`.
@@ -125,6 +126,22 @@ pub fn append(tl: &Timeline, term: u64, start: Lsn, wal: &[u8], commit: Lsn, flu
             },
         );
     }
+}
+
+/// One durable append of `wal` (at most `MAX_SEND_SIZE` bytes) from `begin` in `term`.
+pub fn append_msg(term: u64, begin: Lsn, wal: &[u8], commit: Lsn) -> ProposerAcceptorMessage {
+    assert!(wal.len() <= MAX_SEND_SIZE);
+    ProposerAcceptorMessage::AppendRequest(AppendRequest {
+        h: AppendRequestHeader {
+            generation: Generation(0),
+            term: Term(term),
+            begin_lsn: begin,
+            end_lsn: Lsn(begin.0 + wal.len() as u64),
+            commit_lsn: commit,
+            truncate_lsn: Lsn::INVALID,
+        },
+        wal_data: Bytes::copy_from_slice(wal),
+    })
 }
 
 /// Votes for `term`, is elected with `history`, and appends `wal` durably from the start of

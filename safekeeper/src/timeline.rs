@@ -2,20 +2,28 @@
 //! watch channel that publishes its positions (walsenders wait on it), connection counts, and
 //! [`TimelineError`], the typed error of opening, finding and creating timelines.
 //!
-//! Locking: the acceptor lock is a `std::sync::Mutex` held only for one synchronous
-//! `process_msg` (which may write and fsync) or a status read; callers on the async executor take
-//! it from blocking threads (the WAL acceptor) or for short reads only.
+//! Locking, the one order: **the acceptor lock, then at most one leaf lock**
+//! ([`crate::blocking`], checked in debug builds). The acceptor lock is a `std::sync::Mutex`
+//! held for one synchronous `process_msg`, which may write and fsync: it is taken only in
+//! blocking sections, never on an async worker. After every acceptor operation the timeline
+//! publishes, under the acceptor lock, a [`View`] of what async code reads (positions, write
+//! LSN, in-memory and persisted state) behind a leaf lock: [`Timeline::status`] and the other
+//! accessors read the view and never wait for an fsync. The readers' holds, the disk-limit
+//! flag and the recovery status are leaf locks too; removal takes only the holds' lock
+//! ([`crate::remove_wal`]), never the acceptor's.
 //!
 //! Not here: the node's set of timelines, their loading and creation ([`crate::registry`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::blocking::LeafMutex;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
-use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
+use sk_core::safekeeper::{InMemoryState, SafeKeeper, SafeKeeperError};
 use sk_core::state::{Configuration, TimelinePersistentState};
 use sk_core::storage;
 use sk_core::storage::fs::Fs;
@@ -62,6 +70,9 @@ pub enum TermRead {
     Read,
     /// The acceptor's term is now this one: nothing was read.
     TermChanged(Term),
+    /// The term of the newest WAL is now this one (a proposer was elected in the same
+    /// acceptor term and rewrote the history): nothing was read.
+    LogTermChanged(Term),
     /// The durable WAL now ends here, below the requested range: nothing was read.
     Truncated(Lsn),
 }
@@ -73,6 +84,8 @@ pub struct TimelineStatus {
     pub tenant_id: TenantId,
     /// The timeline.
     pub timeline_id: TimelineId,
+    /// This node's id.
+    pub node_id: NodeId,
     /// The acceptor's term.
     pub term: Term,
     /// The term of the newest WAL held.
@@ -138,11 +151,16 @@ pub struct Timeline {
     /// Invariant: a valid segment size; fixed for the life of the timeline.
     pub seg_size: u64,
     acceptor: Mutex<Acceptor>,
+    /// What async code reads, published under the acceptor lock ([`Timeline::publish`]).
+    view: LeafMutex<View>,
+    node_id: NodeId,
+    fs: Fs,
+    no_sync: bool,
     reader: WalReader,
     positions: watch::Sender<Positions>,
     proposers: AtomicUsize,
     readers: AtomicUsize,
-    last_persist: Mutex<Instant>,
+    last_persist: LeafMutex<Instant>,
     /// Cancelled when the timeline is deleted: its connections end, its acceptor refuses
     /// every message.
     deleted: CancellationToken,
@@ -150,14 +168,14 @@ pub struct Timeline {
     holds: Arc<ReadHolds>,
     /// The node's remote storage, set by the backup driver when it first sees the timeline.
     remote: std::sync::OnceLock<Arc<RemoteStorage>>,
-    /// Why appends are refused (a disk-usage limit reached), if they are.
-    disk_limit: Mutex<Option<String>>,
+    /// The last disk-usage measurement and its limits ([`crate::disk_usage::Gauge`]).
+    disk: LeafMutex<crate::disk_usage::Gauge>,
     /// Wakes a peer recovery when a proposer connects (its stream wins).
     proposer_arrived: Notify,
     /// Set while a peer-recovery check or session of this timeline runs (one at a time).
     recovery_busy: Arc<AtomicBool>,
     /// What the status shows of peer recovery.
-    recovery: Mutex<RecoveryStatus>,
+    recovery: LeafMutex<RecoveryStatus>,
     /// Test hook: runs in a walsender between its term check and its WAL read.
     #[cfg(test)]
     pub(crate) before_wal_read: Mutex<Option<Box<dyn FnMut() + Send>>>,
@@ -210,30 +228,63 @@ impl Timeline {
                 source: Box::new(source),
             })?;
         let positions = positions_of(&acceptor);
+        let view = View::of(&acceptor);
         Ok(Timeline {
             ttid,
             dir: dir.to_path_buf(),
             seg_size,
             reader,
             acceptor: Mutex::new(acceptor),
+            view: LeafMutex::new(view),
+            node_id,
+            fs: fs.clone(),
+            no_sync,
             positions: watch::Sender::new(positions),
             proposers: AtomicUsize::new(0),
             readers: AtomicUsize::new(0),
-            last_persist: Mutex::new(Instant::now()),
+            last_persist: LeafMutex::new(Instant::now()),
             deleted: CancellationToken::new(),
             holds: Arc::new(ReadHolds::new(first_local.unwrap_or(0))),
             remote: std::sync::OnceLock::new(),
-            disk_limit: Mutex::new(None),
+            disk: LeafMutex::new(Default::default()),
             proposer_arrived: Notify::new(),
             recovery_busy: Arc::new(AtomicBool::new(false)),
-            recovery: Mutex::new(RecoveryStatus::default()),
+            recovery: LeafMutex::new(RecoveryStatus::default()),
             #[cfg(test)]
             before_wal_read: Mutex::new(None),
         })
     }
 
+    /// The acceptor lock. Debug builds panic if it is taken on an async worker or under a
+    /// leaf lock ([`crate::blocking::assert_may_block`]).
+    #[track_caller]
     fn lock(&self) -> MutexGuard<'_, Acceptor> {
+        crate::blocking::assert_may_block("the acceptor lock");
         self.acceptor.lock().expect("acceptor lock poisoned")
+    }
+
+    /// Publishes what async code reads of `a` (under the acceptor lock, so views are published
+    /// in the order of the operations).
+    fn publish(&self, a: &Acceptor) {
+        let now = positions_of(a);
+        {
+            let mut v = self.view.lock();
+            v.write_lsn = a.write_lsn();
+            v.inmem = a.inmem();
+            if !std::ptr::eq(&*v.state, a.state()) {
+                v.state = a.control().shared();
+            }
+        }
+        self.positions.send_if_modified(|p| {
+            let changed = *p != now;
+            *p = now;
+            changed
+        });
+    }
+
+    /// A copy of the published view.
+    fn view(&self) -> View {
+        self.view.lock().clone()
     }
 
     /// Runs one message through the acceptor and publishes the new positions. Blocking: it may
@@ -261,10 +312,17 @@ impl Timeline {
         msg: &ProposerAcceptorMessage,
         recovery: bool,
     ) -> Result<Option<AcceptorProposerMessage>, SafeKeeperError> {
-        if let ProposerAcceptorMessage::AppendRequest(a)
-        | ProposerAcceptorMessage::NoFlushAppendRequest(a) = msg
-            && !a.wal_data.is_empty()
-            && let Some(why) = self.disk_limit.lock().expect("disk limit lock").clone()
+        let append = match msg {
+            ProposerAcceptorMessage::AppendRequest(a)
+            | ProposerAcceptorMessage::NoFlushAppendRequest(a) => Some(a),
+            _ => None,
+        };
+        // Read first: the leaf lock's guard must not live across the append below.
+        let limit = append
+            .filter(|a| !a.wal_data.is_empty())
+            .and_then(|a| self.disk.lock().refusal(a.h.begin_lsn));
+        if let Some(a) = append
+            && let Some(why) = limit
         {
             // The WAL is refused, but its header is still taken (as an empty append would be):
             // the commit LSN (capped at our flush) and the peers' horizon. Removal below that
@@ -298,29 +356,60 @@ impl Timeline {
             .into());
         }
         let result = acceptor.process_msg(msg);
-        let now = positions_of(&acceptor);
+        self.publish(&acceptor);
         drop(acceptor);
-        self.positions.send_if_modified(|p| {
-            let changed = *p != now;
-            *p = now;
-            changed
-        });
+        if let Some(a) = append
+            && result.is_ok()
+        {
+            crate::disk_usage::APPENDED_BYTES.fetch_add(a.wal_data.len() as u64, Ordering::Relaxed);
+        }
         result
     }
 
     /// A consistent starting point for a snapshot ([`crate::pull`]), read under the acceptor
-    /// lock: the durable state, the term, and the WAL held here, `[start, flush)`.
-    pub fn snapshot_point(&self) -> SnapshotPoint {
-        let a = self.lock();
-        let state = a.state().clone();
-        let start = state.local_start_lsn.max(state.timeline_start_lsn);
-        let flush = a.flush_lsn();
-        SnapshotPoint {
-            term: a.term(),
-            start: start.min(flush),
-            flush,
-            state,
+    /// lock: the durable state, the term and the newest WAL's term, and the WAL to send,
+    /// `[start, flush)`, held from removal until the returned point drops. The start is
+    /// [`crate::manager::snapshot_start`]'s: with `remote` (donor and puller have remote
+    /// storage) the backed-up point, else the first WAL, which must all be local. Blocking.
+    pub fn snapshot_point(&self, remote: bool) -> Result<SnapshotPoint, String> {
+        let remote = remote && self.remote().is_some();
+        // A removal may claim segments between the choice and the hold: choose again.
+        for _ in 0..8 {
+            let a = self.lock();
+            let state = a.state().clone();
+            let flush = a.flush_lsn();
+            let inmem = a.inmem();
+            let (term, last_log_term) = (a.term(), a.last_log_term());
+            drop(a);
+            let horizon = removal_horizon(&HorizonInputs {
+                flush_lsn: flush,
+                commit_lsn: inmem.commit_lsn,
+                peer_horizon_lsn: inmem.peer_horizon_lsn,
+                backup_lsn: remote.then_some(inmem.backup_lsn),
+                oldest_reader: None,
+                wal_keep_size: 0,
+            });
+            let start = crate::manager::snapshot_start(&crate::manager::SnapshotInputs {
+                seg_size: self.seg_size,
+                wal_start: state.local_start_lsn.max(state.timeline_start_lsn),
+                first_local: Lsn(self.holds.removed_below() * self.seg_size),
+                flush,
+                horizon,
+                remote,
+            })?;
+            let Some(hold) = self.holds.hold(start, self.seg_size) else {
+                continue;
+            };
+            return Ok(SnapshotPoint {
+                state,
+                term,
+                last_log_term,
+                start,
+                flush,
+                _hold: hold,
+            });
         }
+        Err("WAL removal kept overtaking the snapshot's start; pull again".into())
     }
 
     /// Marks the timeline deleted: waits for a `process_msg` in progress, then every later
@@ -339,7 +428,10 @@ impl Timeline {
     /// (see `SafeKeeper::set_membership`: only forward). Returns whether it changed anything.
     /// Blocking (a control-file write and fsync).
     pub fn set_membership(&self, mconf: Configuration) -> Result<bool, SafeKeeperError> {
-        self.lock().set_membership(mconf)
+        let mut a = self.lock();
+        let r = a.set_membership(mconf);
+        self.publish(&a);
+        r
     }
 
     /// The latest positions.
@@ -363,9 +455,12 @@ impl Timeline {
     /// term check and the read happen under the acceptor lock, which every truncation holds,
     /// so no new term can truncate and rewrite the range between the check and the read.
     /// Blocking (file reads, and it waits for a `process_msg` in progress).
+    /// With `last_log_term`, the newest WAL's term must also still be that one (a snapshot's
+    /// check: a proposer elected in the same acceptor term rewrites the history).
     pub fn read_wal_in_term(
         &self,
         term: Term,
+        last_log_term: Option<Term>,
         from: Lsn,
         to: Lsn,
         out: &mut Vec<u8>,
@@ -373,6 +468,11 @@ impl Timeline {
         let acceptor = self.lock();
         if acceptor.term() != term {
             return Ok(TermRead::TermChanged(acceptor.term()));
+        }
+        if let Some(t) = last_log_term
+            && acceptor.last_log_term() != t
+        {
+            return Ok(TermRead::LogTermChanged(acceptor.last_log_term()));
         }
         if to > acceptor.flush_lsn() {
             // Truncated in this term (a proposer's election) since the caller looked.
@@ -392,6 +492,26 @@ impl Timeline {
         }
     }
 
+    /// The whole local segment file `segno` (complete, else `.partial`: a complete segment
+    /// keeps that name while the WAL ends exactly at its end), for backup. Blocking.
+    pub fn read_segment_file(&self, segno: u64) -> std::io::Result<Vec<u8>> {
+        crate::blocking::assert_may_block("reading a segment file");
+        let mut last = None;
+        for partial in [false, true] {
+            let path = crate::wal_store::segment_path(&self.dir, segno, self.seg_size, partial);
+            match self.fs.open(&path, sk_core::storage::fs::OpenMode::Read) {
+                Ok(f) => {
+                    let mut buf = vec![0u8; self.seg_size as usize];
+                    let n = sk_core::storage::fs::read_full_at(&*f, &mut buf, 0)?;
+                    buf.truncate(n);
+                    return Ok(buf);
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("tried both names"))
+    }
+
     /// Whether the segment holding `lsn` exists here.
     pub fn has_segment_at(&self, lsn: Lsn) -> bool {
         self.reader.has_segment(lsn.segment_number(self.seg_size))
@@ -399,15 +519,13 @@ impl Timeline {
 
     /// PostgreSQL system identifier of the timeline.
     pub fn system_id(&self) -> u64 {
-        self.lock().state().server.system_id
+        self.view.lock().state.server.system_id
     }
 
     /// The oldest LSN a reader can start at: the start of the segment holding the first WAL
     /// this node has (earlier segments never existed here).
     pub fn oldest_available_lsn(&self) -> Lsn {
-        let a = self.lock();
-        let start = a.state().local_start_lsn.max(a.state().timeline_start_lsn);
-        drop(a);
+        let start = self.wal_start_lsn();
         let removed = Lsn(self.holds.removed_below() * self.seg_size);
         start.segment_start(self.seg_size).max(removed)
     }
@@ -417,7 +535,15 @@ impl Timeline {
     /// [`Timeline::oldest_available_lsn`].
     pub fn oldest_servable_lsn(&self) -> Lsn {
         if self.remote().is_some() {
-            self.wal_start_lsn().segment_start(self.seg_size)
+            // From the timeline's start: a pulled timeline's local WAL begins at its snapshot's
+            // start, and the store holds what is below (issue 26).
+            let v = self.view.lock();
+            let start = if v.state.timeline_start_lsn.is_valid() {
+                v.state.timeline_start_lsn
+            } else {
+                v.state.local_start_lsn
+            };
+            start.segment_start(self.seg_size)
         } else {
             self.oldest_available_lsn()
         }
@@ -426,19 +552,36 @@ impl Timeline {
     /// Where this node's WAL begins: `max(local_start_lsn, timeline_start_lsn)` (invalid for a
     /// timeline without WAL yet).
     pub fn wal_start_lsn(&self) -> Lsn {
-        let a = self.lock();
-        a.state().local_start_lsn.max(a.state().timeline_start_lsn)
+        let v = self.view.lock();
+        v.state.local_start_lsn.max(v.state.timeline_start_lsn)
     }
 
-    /// Complete segments below this are in remote storage.
+    /// Complete segments below this are in remote storage (in memory; see
+    /// [`Timeline::persisted`] for what the control file holds).
     pub fn backup_lsn(&self) -> Lsn {
-        self.lock().inmem().backup_lsn
+        self.view.lock().inmem.backup_lsn
+    }
+
+    /// The LSNs the timeline manager decides from: in memory and as persisted.
+    pub fn lsns(&self) -> (InMemoryState, PersistedLsns) {
+        let v = self.view.lock();
+        (
+            v.inmem,
+            PersistedLsns {
+                commit_lsn: v.state.commit_lsn,
+                peer_horizon_lsn: v.state.peer_horizon_lsn,
+                backup_lsn: v.state.backup_lsn,
+            },
+        )
     }
 
     /// Records that complete segments below `lsn` are in remote storage (persisted with the
-    /// other in-memory LSNs by the timeline manager). Never moves back.
+    /// other in-memory LSNs by the timeline manager). Never moves back. Blocking (it waits for
+    /// a `process_msg` in progress).
     pub fn set_backup_lsn(&self, lsn: Lsn) {
-        self.lock().set_backup_lsn(lsn);
+        let mut a = self.lock();
+        a.set_backup_lsn(lsn);
+        self.publish(&a);
     }
 
     /// The node's remote storage, once the backup driver has set it.
@@ -451,12 +594,20 @@ impl Timeline {
         let _ = self.remote.set(remote);
     }
 
-    /// Sets why appends are refused (`None`: they are taken). Returns whether it changed.
-    pub fn set_disk_limit(&self, why: Option<String>) -> bool {
-        let mut cur = self.disk_limit.lock().expect("disk limit lock");
-        let changed = cur.is_some() != why.is_some();
-        *cur = why;
-        changed
+    /// Installs a new disk-usage measurement. Returns the refusal now in force (or `None` for
+    /// "appends resume") if it changed between refusing and taking appends.
+    pub fn set_disk_gauge(&self, gauge: crate::disk_usage::Gauge) -> Option<Option<String>> {
+        let at = self.view.lock().write_lsn;
+        let mut cur = self.disk.lock();
+        let before = cur.refusal(at);
+        let after = gauge.refusal(at);
+        *cur = gauge;
+        (before.is_some() != after.is_some()).then_some(after)
+    }
+
+    /// Every local segment below this number was removed (or is being removed).
+    pub fn removed_below(&self) -> u64 {
+        self.holds.removed_below()
     }
 
     /// Holds local WAL from `lsn` on for a reader; `None` if its segment was removed.
@@ -464,51 +615,68 @@ impl Timeline {
         self.holds.hold(lsn, self.seg_size)
     }
 
-    /// Removes the local segments below the removal horizon (see [`crate::remove_wal`]),
-    /// keeping `wal_keep_size` bytes below the flush LSN; nothing without remote storage.
-    /// Durable (directory fsync) before it returns the number of segments removed. Blocking.
+    /// Removes the local segments below the removal horizon computed from the *persisted*
+    /// state (see [`crate::remove_wal`]): a crash right after the unlink restarts from the
+    /// control file, whose commit LSN must still find its WAL here. Keeps `wal_keep_size` bytes
+    /// below the flush LSN; nothing without remote storage. Durable (directory fsync) before it
+    /// returns the number of segments removed. Blocking. The timeline manager decides the same
+    /// way ([`crate::manager`]) and calls [`Timeline::remove_segments_below`].
     pub fn remove_old_wal(&self, wal_keep_size: u64) -> storage::Result<usize> {
-        let remote_on = self.remote().is_some();
-        let inputs = {
-            let a = self.lock();
-            HorizonInputs {
-                flush_lsn: a.flush_lsn(),
-                commit_lsn: a.commit_lsn(),
-                peer_horizon_lsn: a.inmem().peer_horizon_lsn,
-                backup_lsn: remote_on.then(|| a.inmem().backup_lsn),
-                oldest_reader: None,
-                wal_keep_size,
-            }
-        };
+        let (_, persisted) = self.lsns();
+        let horizon = removal_horizon(&HorizonInputs {
+            flush_lsn: self.positions().flush_lsn,
+            commit_lsn: persisted.commit_lsn,
+            peer_horizon_lsn: persisted.peer_horizon_lsn,
+            backup_lsn: self.remote().is_some().then_some(persisted.backup_lsn),
+            oldest_reader: None,
+            wal_keep_size,
+        });
+        self.remove_segments_below(horizon)
+    }
+
+    /// Removes the local segments wholly below `horizon` and below every reader's hold,
+    /// without the acceptor lock (the segments are below the persisted commit LSN, which the
+    /// writer has passed for good). Durable before it returns how many it removed. Blocking.
+    pub fn remove_segments_below(&self, horizon: Lsn) -> storage::Result<usize> {
+        crate::blocking::assert_may_block("removing WAL segments");
+        let writing = self.view.lock().write_lsn.segment_number(self.seg_size);
         self.holds.remove_below(
             self.seg_size,
-            |oldest_reader| {
-                removal_horizon(&HorizonInputs {
-                    oldest_reader,
-                    ..inputs
-                })
+            |oldest| {
+                let h = oldest.map_or(horizon, |r| r.min(horizon));
+                h.min(Lsn(writing * self.seg_size))
             },
-            |below| self.lock().wal_mut().remove_segments_below(below),
+            |below| {
+                crate::wal_store::remove_segments_below(
+                    &self.fs,
+                    &self.dir,
+                    self.seg_size,
+                    below,
+                    self.no_sync,
+                )
+            },
         )
     }
 
-    /// Everything the HTTP status shows, read under the acceptor lock.
+    /// Everything the HTTP status shows, from the published view (never waits for an fsync).
     pub fn status(&self) -> TimelineStatus {
-        let a = self.lock();
-        let s = a.state();
+        let v = self.view();
+        let p = self.positions();
+        let s = &v.state;
         TimelineStatus {
             tenant_id: s.tenant_id,
             timeline_id: s.timeline_id,
-            term: a.term(),
-            last_log_term: a.last_log_term(),
-            term_history: a.get_term_history(),
-            flush_lsn: a.flush_lsn(),
-            write_lsn: a.write_lsn(),
-            commit_lsn: a.commit_lsn(),
-            persisted_commit_lsn: a.persisted_commit_lsn(),
+            node_id: self.node_id,
+            term: p.term,
+            last_log_term: p.last_log_term,
+            term_history: s.acceptor_state.term_history.up_to(p.flush_lsn),
+            flush_lsn: p.flush_lsn,
+            write_lsn: v.write_lsn,
+            commit_lsn: v.inmem.commit_lsn,
+            persisted_commit_lsn: s.commit_lsn,
             timeline_start_lsn: s.timeline_start_lsn,
             local_start_lsn: s.local_start_lsn,
-            peer_horizon_lsn: a.inmem().peer_horizon_lsn,
+            peer_horizon_lsn: v.inmem.peer_horizon_lsn,
             system_id: s.server.system_id,
             pg_version: s.server.pg_version,
             wal_seg_size: s.server.wal_seg_size,
@@ -517,16 +685,16 @@ impl Timeline {
             elected_generation: s.acceptor_state.elected_generation.0,
             proposers: self.proposers.load(Ordering::Relaxed),
             readers: self.readers.load(Ordering::Relaxed),
-            backup_lsn: a.inmem().backup_lsn,
+            backup_lsn: v.inmem.backup_lsn,
             removal_horizon_lsn: Lsn(self.holds.removed_below() * self.seg_size),
             remote_location: self.remote().map(|r| r.timeline_location(&self.ttid)),
-            recovery: self.recovery.lock().expect("recovery lock").clone(),
+            recovery: self.recovery.lock().clone(),
         }
     }
 
     /// This node's id.
     pub fn node_id(&self) -> NodeId {
-        self.lock().node_id()
+        self.node_id
     }
 
     /// Connected proposers.
@@ -548,30 +716,33 @@ impl Timeline {
 
     /// Changes what the status shows of peer recovery.
     pub fn update_recovery(&self, f: impl FnOnce(&mut RecoveryStatus)) {
-        f(&mut self.recovery.lock().expect("recovery lock"));
+        f(&mut self.recovery.lock());
     }
 
     /// What peer recovery compares with its peers, read at one moment.
     pub fn recovery_view(&self) -> LocalView {
-        let a = self.lock();
+        let v = self.view();
+        let p = self.positions();
         LocalView {
-            term: a.term(),
-            term_history: a.get_term_history(),
-            flush_lsn: a.flush_lsn(),
-            commit_lsn: a.commit_lsn(),
-            generation: a.state().mconf.generation,
+            term: p.term,
+            term_history: v.state.acceptor_state.term_history.up_to(p.flush_lsn),
+            flush_lsn: p.flush_lsn,
+            commit_lsn: v.inmem.commit_lsn,
+            generation: v.state.mconf.generation,
         }
     }
 
     /// Persists in-memory LSNs if they are due (or always with `force`). Blocking.
     pub fn maybe_persist(&self, force: bool) -> Result<bool, SafeKeeperError> {
-        let mut last = self.last_persist.lock().expect("persist lock poisoned");
-        let due = force || last.elapsed() >= CONTROL_FILE_SAVE_INTERVAL;
-        let wrote = self.lock().maybe_persist_inmem(due)?;
-        if wrote || due {
-            *last = Instant::now();
+        let due = force || self.last_persist.lock().elapsed() >= CONTROL_FILE_SAVE_INTERVAL;
+        let mut a = self.lock();
+        let wrote = a.maybe_persist_inmem(due);
+        self.publish(&a);
+        drop(a);
+        if wrote.as_ref().is_ok_and(|w| *w) || due {
+            *self.last_persist.lock() = Instant::now();
         }
-        Ok(wrote)
+        wrote
     }
 
     /// Counts a connected proposer until the guard drops.
@@ -594,12 +765,48 @@ fn positions_of(a: &Acceptor) -> Positions {
     }
 }
 
+/// What async code reads of a timeline without the acceptor lock ([`Timeline::publish`]).
+#[derive(Clone)]
+struct View {
+    /// End of WAL handed to the OS.
+    write_lsn: Lsn,
+    /// The acceptor's in-memory LSNs.
+    inmem: InMemoryState,
+    /// The persisted state (the control file's).
+    state: Arc<TimelinePersistentState>,
+}
+
+impl View {
+    fn of(a: &Acceptor) -> View {
+        View {
+            write_lsn: a.write_lsn(),
+            inmem: a.inmem(),
+            state: a.control().shared(),
+        }
+    }
+}
+
+/// The lazily persisted LSNs as the control file holds them: what removal may go by.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PersistedLsns {
+    /// Persisted commit LSN (start-up searches the end of WAL from it).
+    pub commit_lsn: Lsn,
+    /// Persisted peers' horizon.
+    pub peer_horizon_lsn: Lsn,
+    /// Persisted backup LSN (a restarted node backs up from it).
+    pub backup_lsn: Lsn,
+}
+
 /// Where a snapshot starts: see [`Timeline::snapshot_point`].
 pub struct SnapshotPoint {
     /// The durable state (what the control file holds).
     pub state: TimelinePersistentState,
     /// The acceptor's term: the snapshot's WAL is read in it (a new term aborts the snapshot).
     pub term: Term,
+    /// The newest WAL's term: a change (a new history in the same term) aborts it too.
+    pub last_log_term: Term,
+    /// Keeps `[start, …)` from removal while the snapshot is sent.
+    _hold: ReadHold,
     /// The first WAL byte held here.
     pub start: Lsn,
     /// The durable end of WAL.
@@ -674,6 +881,13 @@ pub enum TimelineError {
          (POST /v1/tenant/{{tenant_id}}/timeline) serves it again"
     )]
     Deleted(TenantTimelineId),
+    /// A create or pull of a timeline whose deletion (of the same ids) still has remote
+    /// objects to delete.
+    #[error(
+        "timeline {0} was deleted and its objects in remote storage are still being deleted; \
+         retry once the deletion finished"
+    )]
+    BeingDeleted(TenantTimelineId),
     /// An explicit create of a timeline that exists.
     #[error("timeline {0} exists already")]
     Exists(TenantTimelineId),
@@ -715,6 +929,7 @@ impl TimelineError {
             TimelineError::NotFound(_)
             | TimelineError::Deleted(_)
             | TimelineError::Exists(_)
+            | TimelineError::BeingDeleted(_)
             | TimelineError::BadRequest(_)
             | TimelineError::BadSegmentSize(_)
             | TimelineError::Storage(

@@ -21,10 +21,9 @@
 //!
 //! Not here: which local segments may be removed ([`crate::remove_wal`]).
 
-use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
@@ -33,6 +32,7 @@ use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 use sk_core::types::{Lsn, TenantTimelineId};
 use tokio::sync::Semaphore;
+#[cfg(test)]
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics;
@@ -40,10 +40,8 @@ use crate::timeline::Timeline;
 use crate::wal_store::segment_path;
 use pg_wal::format::{parse_xlog_file_name, xlog_file_name};
 
-/// First retry delay of a failed upload; doubles up to [`MAX_BACKOFF`].
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-/// Longest delay between two attempts of one segment.
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
+#[cfg(test)]
+use crate::manager::{FIRST_BACKOFF, MAX_BACKOFF};
 
 /// A remote store of WAL segments.
 pub struct RemoteStorage {
@@ -107,6 +105,72 @@ impl RemoteStorage {
             });
         }
         bail!("--remote-storage {url}: unsupported URL (use file:///path or s3://bucket/prefix)")
+    }
+
+    /// A store over `store` (the simulation's in-memory one, say), shown as `url`.
+    pub fn with_store(store: Arc<dyn ObjectStore>, url: &str) -> RemoteStorage {
+        RemoteStorage {
+            store,
+            prefix: String::new(),
+            url: url.to_string(),
+            local_root: None,
+        }
+    }
+
+    /// Deletes every object of a timeline (`Some`) or of a whole tenant (`None`): what a
+    /// delete of it leaves to do in the store. Returns how many objects it deleted. Deleting
+    /// what is already gone succeeds.
+    pub async fn delete_objects(
+        &self,
+        tenant_id: &sk_core::types::TenantId,
+        timeline_id: Option<&sk_core::types::TimelineId>,
+    ) -> anyhow::Result<usize> {
+        let key = match timeline_id {
+            Some(t) => format!("{tenant_id}/{t}"),
+            None => tenant_id.to_string(),
+        };
+        let key = if self.prefix.is_empty() {
+            key
+        } else {
+            format!("{}/{key}", self.prefix)
+        };
+        let prefix = ObjPath::from(key);
+        let mut n = 0;
+        let mut list = self.store.list(Some(&prefix));
+        let mut paths = Vec::new();
+        while let Some(meta) = list.next().await {
+            paths.push(
+                meta.with_context(|| format!("listing {}/{prefix}", self.url))?
+                    .location,
+            );
+        }
+        drop(list);
+        for path in paths {
+            match self.store.delete(&path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => n += 1,
+                Err(e) => return Err(e).with_context(|| format!("deleting {path}")),
+            }
+        }
+        if let Some(root) = self.local_root.clone() {
+            // The removals are durable before the deletion counts as done.
+            let dir = root.join(prefix.as_ref());
+            crate::blocking::spawn(move || {
+                let _ = std::fs::remove_dir_all(&dir);
+                let mut d = dir.parent();
+                while let Some(p) = d {
+                    if let Ok(f) = std::fs::File::open(p) {
+                        let _ = f.sync_all();
+                    }
+                    if p == root {
+                        break;
+                    }
+                    d = p.parent();
+                }
+            })
+            .await
+            .context("fsync task")?;
+        }
+        Ok(n)
     }
 
     /// The URL the store was opened with.
@@ -223,7 +287,7 @@ impl RemoteStorage {
             return Ok(());
         };
         let file = root.join(path.as_ref());
-        tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        crate::blocking::spawn(move || -> anyhow::Result<()> {
             std::fs::File::open(&file)
                 .and_then(|f| f.sync_all())
                 .with_context(|| format!("fsync {}", file.display()))?;
@@ -296,10 +360,12 @@ impl Backup {
     /// on, in order of completion, advancing `backup_lsn` over the contiguous backed-up prefix.
     /// With `listed`, the segments the remote listing shows are verified instead of uploaded.
     /// Each segment is retried with backoff until done or `cancel`. Returns the new backup_lsn.
-    pub async fn backup_pass(
+    /// A pass without the timeline manager ([`crate::manager`]): tests of the store's rules.
+    #[cfg(test)]
+    pub(crate) async fn backup_pass(
         &self,
         tl: &Arc<Timeline>,
-        listed: Option<&BTreeSet<u64>>,
+        listed: Option<&std::collections::BTreeSet<u64>>,
         cancel: &CancellationToken,
     ) -> Lsn {
         let seg_size = tl.seg_size;
@@ -313,7 +379,7 @@ impl Backup {
         // Nothing below the first segment of this node's WAL is to back up: the backed-up prefix
         // starts there (else the lag would count the whole LSN space below the timeline start).
         if backup_lsn < Lsn(first * seg_size) {
-            tl.set_backup_lsn(Lsn(first * seg_size));
+            crate::blocking::section(|| tl.set_backup_lsn(Lsn(first * seg_size)));
         }
         let end = tl.positions().commit_lsn.segment_number(seg_size);
         let mut done = futures::stream::iter(first..end)
@@ -329,7 +395,9 @@ impl Backup {
             .buffered(self.parallelism);
         while let Some(r) = done.next().await {
             match r {
-                Some(segno) => tl.set_backup_lsn(Lsn((segno + 1) * seg_size)),
+                Some(segno) => {
+                    crate::blocking::section(|| tl.set_backup_lsn(Lsn((segno + 1) * seg_size)))
+                }
                 None => break,
             }
         }
@@ -337,6 +405,7 @@ impl Backup {
     }
 
     /// Backs up one segment, retrying with backoff; `None` if cancelled first.
+    #[cfg(test)]
     async fn backup_with_retries(
         &self,
         tl: &Arc<Timeline>,
@@ -347,58 +416,68 @@ impl Backup {
     ) -> Option<u64> {
         let mut backoff = FIRST_BACKOFF;
         loop {
-            let attempt = async {
-                let _permit = self.permits.acquire().await.context("backup semaphore")?;
-                let started = Instant::now();
-                // Complete and committed; still `.partial` if the WAL ends exactly at its end.
-                let path = segment_path(&tl.dir, segno, tl.seg_size, false);
-                let data = match tokio::fs::read(&path).await {
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                        let partial = segment_path(&tl.dir, segno, tl.seg_size, true);
-                        tokio::fs::read(&partial).await
-                    }
-                    r => r,
-                }
-                .with_context(|| format!("reading {} for backup", path.display()))?;
-                let len = data.len() as u64;
-                let outcome = self
-                    .storage
-                    .backup_segment(&tl.ttid, segno, Bytes::from(data), valid_from, known)
-                    .await?;
-                metrics::BACKUP_SECONDS.observe(started.elapsed().as_secs_f64());
-                match outcome {
-                    Outcome::Uploaded => {
-                        metrics::BACKUP_UPLOADED_BYTES.inc_by(len);
-                        metrics::BACKUP_SEGMENTS
-                            .with_label_values(&["uploaded"])
-                            .inc();
-                    }
-                    Outcome::Verified => metrics::BACKUP_SEGMENTS
-                        .with_label_values(&["verified"])
-                        .inc(),
-                }
-                anyhow::Ok(())
-            };
             let result = tokio::select! {
-                r = attempt => r,
+                r = self.upload(tl, segno, valid_from, known) => r,
                 _ = cancel.cancelled() => return None,
             };
-            match result {
-                Ok(()) => return Some(segno),
-                Err(e) => {
-                    metrics::BACKUP_ERRORS.inc();
-                    tracing::warn!(
-                        segno,
-                        "backing up a WAL segment failed (retrying in {backoff:?}): {e:#}"
-                    );
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
-                        _ = cancel.cancelled() => return None,
-                    }
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
-                }
+            if result.is_ok() {
+                return Some(segno);
             }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = cancel.cancelled() => return None,
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
         }
+    }
+
+    /// One attempt to back up segment `segno` of `tl` (read from its local file), counted and
+    /// logged; see [`RemoteStorage::backup_segment`]. Waits for a node-wide upload permit.
+    pub async fn upload(
+        &self,
+        tl: &Arc<Timeline>,
+        segno: u64,
+        valid_from: usize,
+        known: bool,
+    ) -> anyhow::Result<Outcome> {
+        let attempt = async {
+            let _permit = self.permits.acquire().await.context("backup semaphore")?;
+            let started = Instant::now();
+            let t = tl.clone();
+            let data = crate::blocking::spawn(move || t.read_segment_file(segno))
+                .await
+                .context("segment read task")?
+                .with_context(|| {
+                    format!(
+                        "reading {} for backup",
+                        segment_path(&tl.dir, segno, tl.seg_size, false).display()
+                    )
+                })?;
+            let len = data.len() as u64;
+            let outcome = self
+                .storage
+                .backup_segment(&tl.ttid, segno, Bytes::from(data), valid_from, known)
+                .await?;
+            metrics::BACKUP_SECONDS.observe(started.elapsed().as_secs_f64());
+            match outcome {
+                Outcome::Uploaded => {
+                    metrics::BACKUP_UPLOADED_BYTES.inc_by(len);
+                    metrics::BACKUP_SEGMENTS
+                        .with_label_values(&["uploaded"])
+                        .inc();
+                }
+                Outcome::Verified => metrics::BACKUP_SEGMENTS
+                    .with_label_values(&["verified"])
+                    .inc(),
+            }
+            anyhow::Ok(outcome)
+        };
+        let r = attempt.await;
+        if let Err(e) = &r {
+            metrics::BACKUP_ERRORS.inc();
+            tracing::warn!(segno, "backing up a WAL segment failed (retried): {e:#}");
+        }
+        r
     }
 }
 
@@ -438,69 +517,6 @@ pub async fn read_remote(
     );
     out.extend_from_slice(&seg[a..b]);
     Ok(Some(end))
-}
-
-/// The WAL lifecycle driver: every `tick`, each timeline without a pass in progress gets one:
-/// a backup pass (the first after start-up resumes from the remote listing), then removal of
-/// the local segments below the horizon, keeping `wal_keep_size` bytes. Runs until `cancel`.
-pub async fn run_lifecycle(
-    timelines: Arc<crate::registry::GlobalTimelines>,
-    backup: Backup,
-    wal_keep_size: u64,
-    tick: Duration,
-    cancel: CancellationToken,
-) {
-    let mut jobs: HashMap<TenantTimelineId, tokio::task::JoinHandle<()>> = HashMap::new();
-    let listed: Arc<std::sync::Mutex<HashSet<TenantTimelineId>>> = Arc::default();
-    let mut ticker = crate::ticker::Ticker::new(tick);
-    while ticker.tick(&cancel).await {
-        jobs.retain(|_, j| !j.is_finished());
-        for tl in timelines.all() {
-            if jobs.contains_key(&tl.ttid) {
-                continue;
-            }
-            tl.set_remote(backup.storage.clone());
-            let (backup, cancel, listed) = (backup.clone(), cancel.clone(), listed.clone());
-            let span = crate::timeline::span(&tl.ttid);
-            let ttid = tl.ttid;
-            let job = async move {
-                let first = !listed.lock().expect("listed lock").contains(&tl.ttid);
-                let known = if first {
-                    match backup.storage.list_segments(&tl.ttid, tl.seg_size).await {
-                        Ok(l) => {
-                            listed.lock().expect("listed lock").insert(tl.ttid);
-                            Some(l.into_iter().map(|(n, _)| n).collect::<BTreeSet<_>>())
-                        }
-                        Err(e) => {
-                            metrics::BACKUP_ERRORS.inc();
-                            tracing::warn!("listing remote WAL failed: {e:#}");
-                            return;
-                        }
-                    }
-                } else {
-                    None
-                };
-                backup.backup_pass(&tl, known.as_ref(), &cancel).await;
-                let t = tl.clone();
-                match tokio::task::spawn_blocking(move || t.remove_old_wal(wal_keep_size)).await {
-                    Ok(Ok(0)) => {}
-                    Ok(Ok(n)) => {
-                        metrics::WAL_REMOVED_SEGMENTS.inc_by(n as u64);
-                        tracing::info!(removed = n, below = %tl.oldest_available_lsn(), "removed WAL segments");
-                    }
-                    Ok(Err(e)) => tracing::error!("removing WAL segments: {e}"),
-                    Err(e) => tracing::error!("WAL removal task failed: {e}"),
-                }
-            };
-            jobs.insert(
-                ttid,
-                tokio::spawn(tracing::Instrument::instrument(job, span)),
-            );
-        }
-    }
-    for (_, j) in jobs {
-        let _ = j.await;
-    }
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use tracing::Instrument;
 
 use crate::auth::{AuthError, Claims, JwtAuth, Scope, check_permission};
 use crate::command::{ReplicationCommand, parse_command, parse_options};
-use crate::limits::{ConnectionLimit, IdleTimeout, Socket};
+use crate::limits::{ConnectionLimit, HandshakePool, IdleTimeout, Socket};
 use crate::metrics;
 use crate::receive_wal::handle_wal_push;
 use crate::registry::GlobalTimelines;
@@ -43,6 +43,8 @@ pub struct WalServiceConf {
     pub server: ServerConfig,
     /// Most connections served at once; more are refused with SQLSTATE 53300.
     pub max_connections: usize,
+    /// Most connections in their handshake at once (the oldest is closed beyond it).
+    pub max_handshaking: usize,
     /// A connection on which no byte arrives (or none is accepted) for this long is closed,
     /// in every phase, streaming included.
     pub idle_timeout: Duration,
@@ -61,6 +63,7 @@ impl Default for WalServiceConf {
         WalServiceConf {
             server: ServerConfig::default(),
             max_connections: 256,
+            max_handshaking: 64,
             idle_timeout: Duration::from_secs(600),
             handshake_timeout: Duration::from_secs(30),
             auth: None,
@@ -70,8 +73,10 @@ impl Default for WalServiceConf {
 }
 
 /// Accepts connections until `shutdown` is cancelled; connection tasks are tracked by `tasks`
-/// so the caller can wait for them to finish. Beyond `conf.max_connections`, connections are
-/// refused with PostgreSQL's "too many connections" error.
+/// so the caller can wait for them to finish. A connection first waits in the handshake pool
+/// (`conf.max_handshaking`, the oldest pushed out when full); once authenticated it takes a
+/// slot of `conf.max_connections`, or is refused with PostgreSQL's "too many connections"
+/// error. Sockets beyond both (and beyond the refusals in progress) are closed at once.
 pub async fn run(
     listener: TcpListener,
     timelines: Arc<GlobalTimelines>,
@@ -79,7 +84,8 @@ pub async fn run(
     shutdown: CancellationToken,
     tasks: TaskTracker,
 ) {
-    let limit = ConnectionLimit::new(conf.max_connections);
+    let limit = Arc::new(ConnectionLimit::new(conf.max_connections));
+    let pool = HandshakePool::new(conf.max_handshaking);
     let conf = Arc::new(conf);
     loop {
         let accepted = tokio::select! {
@@ -96,21 +102,18 @@ pub async fn run(
             }
         };
         let _ = stream.set_nodelay(true);
-        let Some(slot) = limit.try_acquire() else {
-            metrics::PG_CONNECTIONS
-                .with_label_values(&["too_many"])
-                .inc();
-            tracing::debug!(%peer, "refused: too many connections");
-            limit.refuse(stream);
-            continue;
-        };
+        let handshaking = pool.enter();
         let timelines = timelines.clone();
         let conf = conf.clone();
         let shutdown = shutdown.clone();
+        let limit = limit.clone();
         tasks.spawn(async move {
-            let _slot = slot;
             let stream = IdleTimeout::new(Socket::new(stream), conf.idle_timeout);
-            match handle_connection(stream, timelines, &conf, shutdown).await {
+            let admit = Admission {
+                handshaking,
+                limit: &limit,
+            };
+            match handle_connection(stream, timelines, &conf, admit, shutdown).await {
                 Ok(()) => metrics::PG_CONNECTIONS.with_label_values(&["ok"]).inc(),
                 Err(e) => {
                     metrics::PG_CONNECTIONS.with_label_values(&["error"]).inc();
@@ -129,10 +132,17 @@ type ConnStream = MaybeTls<IdleTimeout<Socket>, Box<TlsStream<BufReader<IdleTime
 /// read of up to this much (what TLS costs ingest: README, "Security").
 const TLS_READ_BUFFER: usize = 64 * 1024;
 
+/// How a connection gets in: its place in the handshake pool, then a slot of the limit.
+struct Admission<'a> {
+    handshaking: crate::limits::HandshakeGuard,
+    limit: &'a ConnectionLimit,
+}
+
 async fn handle_connection(
     stream: IdleTimeout<Socket>,
     timelines: Arc<GlobalTimelines>,
     conf: &WalServiceConf,
+    admit: Admission<'_>,
     shutdown: CancellationToken,
 ) -> Result<(), PqError> {
     // Encryption, startup and authentication, all under the handshake timeout.
@@ -147,9 +157,25 @@ async fn handle_connection(
         };
         Ok::<_, PqError>((conn, params, claims))
     };
+    let handshake = async {
+        tokio::select! {
+            r = handshake => Ok(r),
+            _ = admit.handshaking.evicted().cancelled() => Err(()),
+        }
+    };
     let (mut conn, params, claims) =
         match tokio::time::timeout(conf.handshake_timeout, handshake).await {
-            Ok(r) => r?,
+            Ok(Ok(r)) => r?,
+            Ok(Err(())) => {
+                return Err(PqError::Io(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    format!(
+                        "closed during its startup handshake: newer connections filled the \
+                         handshake pool (--max-handshaking-connections {})",
+                        conf.max_handshaking
+                    ),
+                )));
+            }
             Err(_) => {
                 return Err(PqError::Io(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
@@ -160,6 +186,23 @@ async fn handle_connection(
                 )));
             }
         };
+    drop(admit.handshaking);
+    // Authenticated: now it takes a slot of --max-connections, or is refused as PostgreSQL
+    // refuses (the message libpq shows).
+    let Some(_slot) = admit.limit.try_acquire() else {
+        metrics::PG_CONNECTIONS
+            .with_label_values(&["too_many"])
+            .inc();
+        conn.send_fatal(ErrorFields::fatal(
+            sqlstate::TOO_MANY_CONNECTIONS,
+            format!(
+                "sorry, too many clients already (--max-connections {})",
+                conf.max_connections
+            ),
+        ))
+        .await?;
+        return Ok(());
+    };
     let appname = params.application_name().unwrap_or("").to_string();
     let options = match parse_options(params.get("options").unwrap_or("")) {
         Ok(o) => o,

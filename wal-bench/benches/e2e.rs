@@ -109,7 +109,7 @@ async fn start_daemon(
     store: Option<&Path>,
 ) -> Daemon {
     let mut conf = Conf::for_tests(datadir.to_path_buf());
-    conf.id = id;
+    conf.id = Some(id);
     if sec.jwt {
         conf.auth_public_key_path = Some(secrets.jwt_public.clone());
     }

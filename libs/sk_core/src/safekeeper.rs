@@ -432,6 +432,13 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
                 theirs: msg.wal_seg_size,
             });
         }
+        // A newer configuration is adopted below: validated first, as the HTTP path validates
+        // it (`set_membership`), so no greeting installs one with duplicate or no members.
+        if msg.mconf.generation > self.control.mconf.generation {
+            msg.mconf
+                .validate()
+                .map_err(SafeKeeperError::InvalidMembership)?;
+        }
         if msg.mconf.generation > self.control.mconf.generation && !msg.mconf.contains(self.node_id)
         {
             return Err(SafeKeeperError::NotAMember {

@@ -129,11 +129,13 @@ fn removal_stops_below_the_oldest_hold_and_holds_below_removed_wal_are_refused()
         )
         .unwrap();
     assert_eq!(n, 1);
-    // A failed removal does not move the mark.
+    // A failed removal keeps its claim: some of its segments may be gone, so no hold is
+    // granted there (those readers are served from the store).
     assert!(
         holds
             .remove_below(SEG, |_| Lsn(9 * SEG), |_| Err("io"))
             .is_err()
     );
-    assert_eq!(holds.removed_below(), 7);
+    assert_eq!(holds.removed_below(), 9);
+    assert!(holds.hold(Lsn(8 * SEG), SEG).is_none());
 }

@@ -1,7 +1,9 @@
 //! Backup, verification, removal and serving from the backup, with real files: a timeline in
 //! a temporary data directory and a `file://` store in another.
 
+use std::collections::BTreeSet;
 use std::path::Path;
+use std::time::Duration;
 
 use pg_wal::generator::WalGenerator;
 use sk_core::protocol::ProposerAcceptorMessage;
@@ -88,6 +90,16 @@ fn node_with_wal(datadir: &Path, segs: u64) -> (GlobalTimelines, Arc<Timeline>, 
     (timelines, tl, end)
 }
 
+/// Removes what the persisted state allows (a blocking section: the tests run on tokio).
+fn remove(tl: &Timeline, keep: u64) -> usize {
+    crate::blocking::section(|| tl.remove_old_wal(keep)).unwrap()
+}
+
+/// Saves the control file (a blocking section).
+fn persist(tl: &Timeline) {
+    crate::blocking::section(|| tl.maybe_persist(true)).unwrap();
+}
+
 fn local_segments(dir: &Path) -> Vec<u64> {
     let mut v: Vec<u64> = std::fs::read_dir(dir)
         .unwrap()
@@ -134,13 +146,13 @@ async fn complete_committed_segments_are_backed_up_byte_identical_and_only_then_
     );
 
     // No remote storage: nothing is removed, whatever the other inputs.
-    assert_eq!(tl.remove_old_wal(0).unwrap(), 0);
+    assert_eq!(remove(&tl, 0), 0);
     assert_eq!(local_segments(&tl.dir).len() as u64, last_complete);
 
     let backup = Backup::new(store(remote.path()), 3);
     tl.set_remote(backup.storage.clone());
     // Remote storage on but nothing backed up: still nothing removed.
-    assert_eq!(tl.remove_old_wal(0).unwrap(), 0);
+    assert_eq!(remove(&tl, 0), 0);
     let cancel = CancellationToken::new();
     let lsn = backup.backup_pass(&tl, None, &cancel).await;
     assert_eq!(
@@ -158,22 +170,25 @@ async fn complete_committed_segments_are_backed_up_byte_identical_and_only_then_
     assert!(!object_file(remote.path(), last_complete).exists());
 
     // The peers' horizon is unknown (the proposer sent no truncate_lsn): nothing goes.
-    assert_eq!(tl.remove_old_wal(0).unwrap(), 0);
+    assert_eq!(remove(&tl, 0), 0);
     set_peer_horizon(&tl, end);
+    // Removal goes by the control file (issue 26): nothing until it holds the new LSNs.
+    assert_eq!(remove(&tl, 0), 0, "the in-memory horizon is not enough");
+    persist(&tl);
     // A reader holding segment 2 stops removal there.
     let hold = tl.hold_wal(Lsn(2 * SEG + 100)).unwrap();
-    assert_eq!(tl.remove_old_wal(0).unwrap(), 1);
+    assert_eq!(remove(&tl, 0), 1);
     assert_eq!(local_segments(&tl.dir)[0], 2);
     drop(hold);
     // --wal-keep-size keeps two segments below the flush LSN.
-    tl.remove_old_wal(2 * SEG).unwrap();
+    remove(&tl, 2 * SEG);
     let kept = local_segments(&tl.dir);
     assert_eq!(
         kept[0],
         Lsn(end.0 - 2 * SEG).segment_number(SEG),
         "{kept:?}"
     );
-    tl.remove_old_wal(0).unwrap();
+    remove(&tl, 0);
     assert_eq!(
         local_segments(&tl.dir),
         vec![last_complete],
@@ -243,8 +258,15 @@ async fn backup_lsn_survives_a_restart_and_a_node_with_removed_wal_starts_and_re
     let cancel = CancellationToken::new();
     let backed = backup.backup_pass(&tl, None, &cancel).await;
     set_peer_horizon(&tl, end);
-    assert!(tl.remove_old_wal(0).unwrap() > 0);
-    assert!(tl.maybe_persist(true).unwrap());
+    // The horizon is the persisted one: a kill -9 right after the unlink restarts from a
+    // control file whose commit and backup LSNs still find their WAL here (issue 26).
+    assert_eq!(
+        remove(&tl, 0),
+        0,
+        "nothing goes before the control file has the horizon"
+    );
+    persist(&tl);
+    assert!(remove(&tl, 0) > 0);
     let first_kept = local_segments(&tl.dir)[0];
     drop((tl, timelines));
 
@@ -308,16 +330,13 @@ async fn an_unwritable_store_backs_up_nothing_and_the_backlog_goes_when_it_retur
         Lsn(SEG),
         "nothing backed up past the WAL's first segment start"
     );
-    assert_eq!(
-        tl.remove_old_wal(0).unwrap(),
-        0,
-        "nothing unbacked is removed"
-    );
+    assert_eq!(remove(&tl, 0), 0, "nothing unbacked is removed");
     std::fs::remove_file(&tenant_dir).unwrap();
     let lsn = tokio::time::timeout(Duration::from_secs(30), pass)
         .await
         .unwrap()
         .unwrap();
     assert_eq!(lsn, Lsn(end.segment_number(SEG) * SEG));
-    assert!(tl.remove_old_wal(0).unwrap() > 0);
+    persist(&tl);
+    assert!(remove(&tl, 0) > 0);
 }

@@ -144,6 +144,37 @@ pub struct WalFileStore {
     commit_bound: bool,
 }
 
+/// Removes the segment files (complete or `.partial`) numbered below `below` from timeline
+/// directory `dir` and fsyncs the directory (unless `no_sync`) before it returns how many it
+/// removed. The caller makes sure no writer is at those segments: the timeline manager removes
+/// only below the persisted commit LSN's segment, which the writer has passed for good.
+pub fn remove_segments_below(
+    fs: &Fs,
+    dir: &Path,
+    seg_size: u64,
+    below: u64,
+    no_sync: bool,
+) -> Result<usize> {
+    let ctx = || format!("listing {}", dir.display());
+    let mut segs: Vec<(u64, String)> = fs
+        .list_dir(dir)
+        .map_err(|e| Error::io(ctx(), e))?
+        .into_iter()
+        .filter_map(|n| parse_xlog_file_name(&n, seg_size).map(|(segno, _)| (segno, n)))
+        .filter(|(segno, _)| *segno < below)
+        .collect();
+    segs.sort_unstable();
+    for (_, name) in &segs {
+        let path = dir.join(name);
+        fs.remove_file(&path)
+            .map_err(|e| Error::io(format!("removing {}", path.display()), e))?;
+    }
+    if !segs.is_empty() && !no_sync {
+        fsync_dir(fs, dir);
+    }
+    Ok(segs.len())
+}
+
 impl WalFileStore {
     /// Opens the WAL in `dir` (created if missing) with segments of `seg_size` bytes, recovering
     /// the end of WAL by decoding from `commit_lsn` (the control file's). With `commit_lsn`
@@ -290,20 +321,13 @@ impl WalFileStore {
                 self.write_lsn
             )));
         }
-        let mut segs = self.list_segments()?;
-        segs.sort_unstable_by_key(|s| s.0);
-        let mut removed = 0;
-        for (_, _, path) in segs.into_iter().filter(|s| s.0 < below) {
-            self.opts
-                .fs
-                .remove_file(&path)
-                .map_err(|e| Error::io(format!("removing {}", path.display()), e))?;
-            removed += 1;
-        }
-        if removed > 0 && !self.opts.no_sync {
-            fsync_dir(&self.opts.fs, &self.dir);
-        }
-        Ok(removed)
+        remove_segments_below(
+            &self.opts.fs,
+            &self.dir,
+            self.seg_size,
+            below,
+            self.opts.no_sync,
+        )
     }
 
     fn list_segments(&self) -> Result<Vec<(u64, bool, PathBuf)>> {

@@ -45,7 +45,7 @@ impl TestDaemon {
     /// A daemon with node id `id` and the configuration changes of `f`.
     pub async fn start_with(datadir: &Path, id: u64, f: impl FnOnce(&mut Conf)) -> TestDaemon {
         let mut conf = Conf::for_tests(datadir.to_path_buf());
-        conf.id = id;
+        conf.id = Some(id);
         f(&mut conf);
         let listeners = daemon::bind(&conf).await.expect("bind");
         let (pg, http) = (listeners.pg_addr(), listeners.http_addr());

@@ -289,6 +289,20 @@ fn greeting_with_higher_generation_excluding_us_is_rejected() {
     assert_eq!(sk.state().mconf.generation, Generation(0));
 }
 
+/// Issue 26: a greeting's configuration is validated as the HTTP one is, before it is adopted.
+#[test]
+fn greeting_with_an_invalid_configuration_is_refused_and_not_adopted() {
+    let mut sk = new_sk();
+    let mut g = greeting();
+    g.mconf = mconf(2, &[1, 1, 2]);
+    let r = sk.process_msg(&ProposerAcceptorMessage::Greeting(g));
+    assert!(
+        matches!(r, Err(SafeKeeperError::InvalidMembership(ref m)) if m.contains("unique")),
+        "{r:?}"
+    );
+    assert_eq!(reboot(sk).state().mconf.generation, Generation(0));
+}
+
 #[test]
 fn generation_mismatch_is_rejected() {
     let mut sk = new_sk();

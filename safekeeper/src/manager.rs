@@ -1,0 +1,522 @@
+//! The timeline manager's decisions, sans I/O: when to save the control file, which segments
+//! to back up, how far local WAL may be removed, and how a deleted timeline's work ends. Events
+//! in ([`Event`]: what the timeline's state is now, what an action did, time passing), actions
+//! out ([`Action`]); the tokio driver ([`crate::lifecycle`]) only performs the actions and
+//! reports back, and the seeded simulation (`manager/sim.rs`) drives this same core over a
+//! real timeline on a simulated disk, crashes included.
+//!
+//! The rules, each enforced here and named in docs/durability.md:
+//!
+//! - **Removal goes by persisted state.** The horizon is computed from the control file's
+//!   commit LSN, peers' horizon and backup LSN, never the in-memory ones: a node killed right
+//!   after an unlink restarts from the control file, searches its end of WAL from the persisted
+//!   commit LSN, and backs up from the persisted backup LSN, so both must still find their WAL
+//!   locally (issue 26, defect 1). When the in-memory state would allow removing more, the core
+//!   saves the control file first and removes after the save.
+//! - **Backup starts from what is still local or already stored.** Segments are uploaded in
+//!   order from `backup_lsn`; a segment below the first local one (removed before a restart
+//!   whose control file was older) counts as backed up only if the store's listing shows it,
+//!   else it is reported missing, never retried from a file that is gone.
+//! - **Nothing is uploaded before the store was listed once** (a segment another node stored
+//!   is verified instead of uploaded, see [`crate::wal_backup`]).
+//! - **A deleted timeline stops**: every action in flight is aborted and awaited before the
+//!   core reports it finished; its remote objects are then deleted by the node
+//!   ([`crate::lifecycle`]), before a timeline with the same ids may exist again.
+//!
+//! Not here: the readers' holds, which the driver applies under their own lock when it removes
+//! ([`crate::remove_wal::ReadHolds`]); the file and object-store I/O.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use sk_core::types::Lsn;
+
+use crate::remove_wal::{HorizonInputs, removal_horizon};
+
+/// First retry delay of a failed upload or listing; doubles up to [`MAX_BACKOFF`].
+pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest retry delay.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// How long a missing segment (below the local WAL and not in the store) waits before the
+/// store is listed again.
+pub const RELIST_MISSING_AFTER: Duration = Duration::from_secs(30);
+/// How long a removal that readers' holds cut short waits before it is tried again.
+pub const REMOVE_AGAIN_AFTER: Duration = Duration::from_secs(1);
+
+/// What the core is configured with (fixed for the life of a timeline's manager).
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    /// WAL segment size in bytes.
+    pub seg_size: u64,
+    /// Bytes of WAL always kept below the flush LSN (`--wal-keep-size`).
+    pub wal_keep_size: u64,
+    /// Whether the node backs WAL up (`--remote-storage`); without it nothing is removed.
+    pub remote: bool,
+    /// Uploads in flight at once.
+    pub parallelism: usize,
+    /// In-memory LSNs older than this are saved even if they moved little.
+    pub save_interval: Duration,
+}
+
+/// A timeline's LSNs that are persisted lazily.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lsns {
+    /// Committed WAL.
+    pub commit_lsn: Lsn,
+    /// Oldest WAL any peer may still need.
+    pub peer_horizon_lsn: Lsn,
+    /// Complete segments below this are in remote storage.
+    pub backup_lsn: Lsn,
+}
+
+/// The timeline's state as the driver read it (from the published view, at one moment).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Durable end of WAL.
+    pub flush_lsn: Lsn,
+    /// Where this node's WAL begins (`max(local_start_lsn, timeline_start_lsn)`).
+    pub wal_start_lsn: Lsn,
+    /// In memory (what the acceptor knows now).
+    pub inmem: Lsns,
+    /// In the control file.
+    pub persisted: Lsns,
+}
+
+/// What happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The timeline's state now (after any change, and with every other event).
+    Observed(Observed),
+    /// Time passed: `now` since the manager started (monotonic).
+    Tick(Duration),
+    /// The store's listing of the timeline's complete segments; `None`: it failed.
+    Listed(Option<BTreeSet<u64>>),
+    /// An upload of `segno` finished (`ok`: stored or verified).
+    Uploaded {
+        /// The segment.
+        segno: u64,
+        /// Whether it is in the store now.
+        ok: bool,
+    },
+    /// A control-file save finished.
+    Saved {
+        /// Whether it was written (the next [`Event::Observed`] shows the persisted state).
+        ok: bool,
+    },
+    /// A removal finished: every local segment below `first_local` is gone (or being removed).
+    Removed {
+        /// The first segment still local.
+        first_local: u64,
+    },
+    /// The timeline was deleted.
+    Deleted,
+    /// Every action in flight was aborted and has ended (after [`Action::Stop`]).
+    Stopped,
+}
+
+/// What the driver is to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// List the timeline's complete segments in the store; answer [`Event::Listed`].
+    List,
+    /// Upload (or verify, if `known_stored`) segment `segno`, whose bytes before `valid_from`
+    /// are not this node's WAL; answer [`Event::Uploaded`].
+    Upload {
+        /// The segment.
+        segno: u64,
+        /// Offset of this node's first WAL byte in it (0 but for the first segment).
+        valid_from: usize,
+        /// The listing showed it: verify instead of uploading.
+        known_stored: bool,
+    },
+    /// Complete segments below `lsn` are in the store (in memory; saved with the next save).
+    SetBackupLsn(Lsn),
+    /// Save the control file with the in-memory LSNs; answer [`Event::Saved`].
+    Save,
+    /// Remove local segments wholly below `horizon` (and below every reader's hold); answer
+    /// [`Event::Removed`].
+    Remove {
+        /// The removal horizon, from persisted state.
+        horizon: Lsn,
+    },
+    /// Segment `segno` is below the local WAL and not in the store: it cannot be backed up
+    /// from here (logged, counted; the store is listed again later).
+    Missing {
+        /// The segment.
+        segno: u64,
+    },
+    /// Abort every action in flight and answer [`Event::Stopped`] once they have ended.
+    Stop,
+    /// The manager is done: nothing is in flight and nothing more will be asked.
+    Finished,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Listing {
+    /// To list at or after this time.
+    Due(Duration),
+    InFlight,
+    Done,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Running,
+    Stopping,
+    Finished,
+}
+
+/// The decisions of one timeline's manager.
+#[derive(Debug)]
+pub struct ManagerCore {
+    cfg: Config,
+    now: Duration,
+    obs: Observed,
+    /// Every local segment below this was removed.
+    first_local: u64,
+    listing: Listing,
+    list_backoff: Duration,
+    /// The store's segments, as last listed (plus what was uploaded since).
+    stored: BTreeSet<u64>,
+    uploading: BTreeSet<u64>,
+    /// Uploaded segments above the contiguous backed-up prefix.
+    uploaded: BTreeSet<u64>,
+    /// Failed uploads: when to retry, and the delay after the next failure.
+    retry: BTreeMap<u64, (Duration, Duration)>,
+    /// Missing segments already reported.
+    missing: BTreeSet<u64>,
+    saving: bool,
+    /// The horizon of the removal in flight.
+    removing: Option<Lsn>,
+    /// A removal that readers' holds cut short is tried again from then on.
+    remove_again_at: Duration,
+    last_save: Duration,
+    phase: Phase,
+}
+
+impl ManagerCore {
+    /// A manager for a timeline whose local segments below `first_local` are gone (read from
+    /// its directory at open), in state `obs`.
+    pub fn new(cfg: Config, obs: Observed, first_local: u64) -> ManagerCore {
+        ManagerCore {
+            cfg,
+            now: Duration::ZERO,
+            obs,
+            first_local,
+            listing: Listing::Due(Duration::ZERO),
+            list_backoff: FIRST_BACKOFF,
+            stored: BTreeSet::new(),
+            uploading: BTreeSet::new(),
+            uploaded: BTreeSet::new(),
+            retry: BTreeMap::new(),
+            missing: BTreeSet::new(),
+            saving: false,
+            removing: None,
+            remove_again_at: Duration::ZERO,
+            last_save: Duration::ZERO,
+            phase: Phase::Running,
+        }
+    }
+
+    /// Takes `event` and returns what to do now.
+    pub fn step(&mut self, event: Event) -> Vec<Action> {
+        let mut out = Vec::new();
+        match event {
+            Event::Observed(o) => self.obs = o,
+            Event::Tick(now) => self.now = self.now.max(now),
+            Event::Listed(Some(set)) => {
+                self.listing = Listing::Done;
+                self.list_backoff = FIRST_BACKOFF;
+                self.stored.extend(set);
+                self.missing.clear();
+            }
+            Event::Listed(None) => {
+                self.listing = Listing::Due(self.now + self.list_backoff);
+                self.list_backoff = (self.list_backoff * 2).min(MAX_BACKOFF);
+            }
+            Event::Uploaded { segno, ok } => {
+                self.uploading.remove(&segno);
+                if ok {
+                    self.retry.remove(&segno);
+                    self.uploaded.insert(segno);
+                    self.stored.insert(segno);
+                } else {
+                    let delay = self.retry.get(&segno).map_or(FIRST_BACKOFF, |r| r.1);
+                    self.retry
+                        .insert(segno, (self.now + delay, (delay * 2).min(MAX_BACKOFF)));
+                }
+            }
+            Event::Saved { ok } => {
+                self.saving = false;
+                if ok {
+                    self.last_save = self.now;
+                }
+            }
+            Event::Removed { first_local } => {
+                self.first_local = self.first_local.max(first_local);
+                if let Some(h) = self.removing.take()
+                    && self.first_local < h.segment_number(self.cfg.seg_size)
+                {
+                    // A reader holds WAL below the horizon (or the removal failed): later.
+                    self.remove_again_at = self.now + REMOVE_AGAIN_AFTER;
+                }
+            }
+            Event::Deleted => {
+                if self.phase == Phase::Running {
+                    self.phase = Phase::Stopping;
+                    out.push(Action::Stop);
+                }
+                return out;
+            }
+            Event::Stopped => {
+                if self.phase == Phase::Stopping {
+                    self.phase = Phase::Finished;
+                    out.push(Action::Finished);
+                }
+                return out;
+            }
+        }
+        if self.phase == Phase::Running {
+            self.decide(&mut out);
+        }
+        out
+    }
+
+    /// When the core next wants a [`Event::Tick`] (a retry, a listing or a save coming due);
+    /// `None`: only a change of the timeline's state can give it work.
+    pub fn next_wakeup(&self) -> Option<Duration> {
+        if self.phase != Phase::Running {
+            return None;
+        }
+        let mut at: Option<Duration> = None;
+        let mut consider = |t: Duration| at = Some(at.map_or(t, |a| a.min(t)));
+        if self.cfg.remote
+            && let Listing::Due(t) = self.listing
+        {
+            consider(t);
+        }
+        for (segno, (t, _)) in &self.retry {
+            if !self.uploading.contains(segno) {
+                consider(*t);
+            }
+        }
+        if self.removing.is_none() && self.remove_again_at > self.now {
+            consider(self.remove_again_at);
+        }
+        if !self.saving && self.obs.inmem != self.obs.persisted {
+            consider(self.last_save + self.cfg.save_interval);
+        }
+        at
+    }
+
+    /// Every local segment below this was removed.
+    pub fn first_local(&self) -> u64 {
+        self.first_local
+    }
+
+    /// The horizon removal may go to now: from the persisted state.
+    pub fn removal_horizon(&self) -> Lsn {
+        self.horizon_of(&self.obs.persisted)
+    }
+
+    fn horizon_of(&self, l: &Lsns) -> Lsn {
+        removal_horizon(&HorizonInputs {
+            flush_lsn: self.obs.flush_lsn,
+            commit_lsn: l.commit_lsn,
+            peer_horizon_lsn: l.peer_horizon_lsn,
+            backup_lsn: self.cfg.remote.then_some(l.backup_lsn),
+            oldest_reader: None,
+            wal_keep_size: self.cfg.wal_keep_size,
+        })
+    }
+
+    fn decide(&mut self, out: &mut Vec<Action>) {
+        let seg = self.cfg.seg_size;
+        // Removal, from the persisted state only.
+        let persisted = self.horizon_of(&self.obs.persisted);
+        let inmem = self.horizon_of(&self.obs.inmem);
+        if self.removing.is_none()
+            && self.now >= self.remove_again_at
+            && persisted.is_valid()
+            && persisted.segment_number(seg) > self.first_local
+        {
+            self.removing = Some(persisted);
+            out.push(Action::Remove { horizon: persisted });
+        }
+        // Save: when due, when the commit ran a segment ahead (as `maybe_persist_inmem`), and
+        // when the in-memory state would let removal go further than the saved one.
+        let dirty = self.obs.inmem != self.obs.persisted;
+        let removal_waits = inmem.is_valid()
+            && inmem.segment_number(seg) > persisted.segment_number(seg).max(self.first_local);
+        let commit_ahead =
+            self.obs.inmem.commit_lsn.0 >= self.obs.persisted.commit_lsn.0.saturating_add(seg);
+        let due = self.now >= self.last_save + self.cfg.save_interval;
+        if !self.saving && dirty && (due || commit_ahead || removal_waits) {
+            self.saving = true;
+            out.push(Action::Save);
+        }
+        if self.cfg.remote {
+            self.backup(out);
+        }
+    }
+
+    fn backup(&mut self, out: &mut Vec<Action>) {
+        let seg = self.cfg.seg_size;
+        match self.listing {
+            Listing::Due(t) if self.now >= t => {
+                self.listing = Listing::InFlight;
+                out.push(Action::List);
+                return;
+            }
+            Listing::Done => {}
+            _ => return,
+        }
+        let start = self.obs.wal_start_lsn;
+        if !start.is_valid() {
+            return;
+        }
+        let start_seg = start.segment_number(seg);
+        // Complete committed segments are below this one.
+        let end = self.obs.inmem.commit_lsn.segment_number(seg);
+        let backed = self.obs.inmem.backup_lsn;
+        let mut next = backed.segment_number(seg).max(start_seg);
+        if backed < Lsn(start_seg * seg) && start_seg < end {
+            // Nothing below this node's first segment is owed (else the lag would count the
+            // whole LSN space below the timeline start).
+            out.push(Action::SetBackupLsn(Lsn(next * seg)));
+        }
+        // The contiguous backed-up prefix: uploaded here, or (below the local WAL) listed.
+        let first = next;
+        while next < end
+            && (self.uploaded.contains(&next)
+                || (next < self.first_local && self.stored.contains(&next)))
+        {
+            self.uploaded.remove(&next);
+            next += 1;
+        }
+        if next > first {
+            out.push(Action::SetBackupLsn(Lsn(next * seg)));
+        }
+        for segno in next..end {
+            if self.uploading.len() >= self.cfg.parallelism {
+                break;
+            }
+            if self.uploading.contains(&segno) || self.uploaded.contains(&segno) {
+                continue;
+            }
+            if self.retry.get(&segno).is_some_and(|r| self.now < r.0) {
+                continue;
+            }
+            if segno < self.first_local {
+                if self.stored.contains(&segno) {
+                    continue;
+                }
+                // Removed locally before a restart and not in the store: nothing here can
+                // back it up. Say so once, and look at the store again later.
+                if self.missing.insert(segno) {
+                    out.push(Action::Missing { segno });
+                }
+                if self.listing == Listing::Done {
+                    self.listing = Listing::Due(self.now + RELIST_MISSING_AFTER);
+                }
+                break;
+            }
+            self.uploading.insert(segno);
+            out.push(Action::Upload {
+                segno,
+                valid_from: if segno == start_seg {
+                    start.segment_offset(seg) as usize
+                } else {
+                    0
+                },
+                known_stored: self.stored.contains(&segno),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod sim;
+/// What a snapshot's start is chosen from (the donor's view at one moment).
+#[derive(Clone, Copy, Debug)]
+pub struct SnapshotInputs {
+    /// WAL segment size.
+    pub seg_size: u64,
+    /// Where the donor's WAL begins (`max(local_start_lsn, timeline_start_lsn)`).
+    pub wal_start: Lsn,
+    /// The donor's first local segment's start (segments below were removed after backup).
+    pub first_local: Lsn,
+    /// The donor's durable end of WAL.
+    pub flush: Lsn,
+    /// How far removal could go by the donor's in-memory LSNs (backup, commit, the page below
+    /// the peers' horizon; `--wal-keep-size` aside); invalid without remote storage.
+    pub horizon: Lsn,
+    /// Whether both donor and puller have remote storage (the puller then serves WAL below the
+    /// snapshot's start from the store).
+    pub remote: bool,
+}
+
+/// Where a snapshot starts (issue 26, defect 3). With remote storage on both sides it starts at
+/// the backed-up point (the removal horizon's segment start, never below the donor's first
+/// local segment): the WAL below it is in the store, which the puller serves it from, and what
+/// a peer or a new proposer may still read from this node (the commit LSN, the page below the
+/// peers' horizon) is above it. Without, it starts at the donor's first WAL, which must all be
+/// local: a donor that removed WAL can only be pulled onto a node with remote storage.
+pub fn snapshot_start(i: &SnapshotInputs) -> Result<Lsn, String> {
+    let start = i.wal_start.min(i.flush);
+    if i.remote {
+        let backed = if i.horizon.is_valid() {
+            i.horizon.segment_start(i.seg_size)
+        } else {
+            Lsn::INVALID
+        };
+        return Ok(start.max(backed).max(i.first_local).min(i.flush));
+    }
+    if i.first_local > start {
+        return Err(format!(
+            "WAL below {} lives only in remote storage: pull onto a safekeeper with \
+             --remote-storage (the same store), which serves it from there",
+            i.first_local
+        ));
+    }
+    Ok(start)
+}
+
+/// Whether the peers that answered a pull's status requests can tell the newest copy: a
+/// majority of the timeline's members (of each half of a joint configuration) for a timeline
+/// with a membership configuration, else a majority of the hosts asked.
+pub fn pull_quorum(
+    answered: &[sk_core::types::NodeId],
+    mconf: &sk_core::state::Configuration,
+    hosts: usize,
+) -> Result<(), String> {
+    if mconf.generation.0 == 0 {
+        let need = hosts / 2 + 1;
+        if answered.len() < need {
+            return Err(format!(
+                "only {} of {hosts} peers answered (a majority, {need}, is needed to know the \
+                 newest copy)",
+                answered.len()
+            ));
+        }
+        return Ok(());
+    }
+    let halves = std::iter::once(&mconf.members).chain(mconf.new_members.as_ref());
+    for half in halves {
+        let need = half.len() / 2 + 1;
+        let got = half.iter().filter(|m| answered.contains(&m.id)).count();
+        if got < need {
+            let ids: Vec<String> = half.iter().map(|m| m.id.0.to_string()).collect();
+            return Err(format!(
+                "only {got} of the members [{}] of generation {} answered (a majority, {need}, \
+                 is needed to know the newest copy)",
+                ids.join(", "),
+                mconf.generation
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

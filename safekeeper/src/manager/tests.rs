@@ -1,0 +1,361 @@
+//! The manager core's rules, one at a time (the seeded simulation, `sim.rs`, composes them over
+//! a real timeline with crashes).
+
+use super::*;
+
+const SEG: u64 = 1 << 20;
+
+/// The configuration of these tests and of the simulation: 1 MiB segments, remote storage,
+/// nothing kept below the flush LSN.
+pub(super) fn cfg() -> Config {
+    Config {
+        seg_size: SEG,
+        wal_keep_size: 0,
+        remote: true,
+        parallelism: 2,
+        save_interval: Duration::from_secs(5),
+    }
+}
+
+fn lsns(commit: u64, peers: u64, backup: u64) -> Lsns {
+    Lsns {
+        commit_lsn: Lsn(commit),
+        peer_horizon_lsn: Lsn(peers),
+        backup_lsn: Lsn(backup),
+    }
+}
+
+fn obs(inmem: Lsns, persisted: Lsns) -> Observed {
+    Observed {
+        flush_lsn: Lsn(inmem.commit_lsn.0.max(persisted.commit_lsn.0) + 100),
+        wal_start_lsn: Lsn(SEG),
+        inmem,
+        persisted,
+    }
+}
+
+fn uploads(actions: &[Action]) -> Vec<u64> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Upload { segno, .. } => Some(*segno),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The first step (the store is listed; removal, which goes by persisted state only, need not
+/// wait for it) and the answer to the listing: every action of both.
+fn listed(core: &mut ManagerCore, segs: impl IntoIterator<Item = u64>) -> Vec<Action> {
+    let mut out = core.step(Event::Tick(Duration::ZERO));
+    assert!(out.contains(&Action::List), "{out:?}");
+    out.retain(|a| *a != Action::List);
+    out.extend(core.step(Event::Listed(Some(segs.into_iter().collect()))));
+    out
+}
+
+/// Issue 26, defect 1: the in-memory commit LSN is segments ahead of the saved one; removal
+/// goes only to the saved one's segment, and asks for a save first to go further.
+#[test]
+fn removal_goes_by_the_persisted_state_and_saves_first_to_go_further() {
+    let persisted = lsns(3 * SEG + 10, 9 * SEG, 9 * SEG);
+    let inmem = lsns(8 * SEG + 10, 9 * SEG, 9 * SEG);
+    let mut core = ManagerCore::new(cfg(), obs(inmem, persisted), 1);
+    let out = listed(&mut core, 1..9);
+    assert!(
+        out.contains(&Action::Remove {
+            horizon: Lsn(3 * SEG + 10)
+        }),
+        "{out:?}"
+    );
+    assert!(
+        out.contains(&Action::Save),
+        "the in-memory state allows more: {out:?}"
+    );
+    // Nothing more while both are in flight.
+    let again = core.step(Event::Tick(Duration::from_millis(1)));
+    assert!(
+        !again
+            .iter()
+            .any(|a| matches!(a, Action::Remove { .. } | Action::Save)),
+        "{again:?}"
+    );
+    core.step(Event::Removed { first_local: 3 });
+    core.step(Event::Saved { ok: true });
+    let out = core.step(Event::Observed(obs(inmem, inmem)));
+    assert!(
+        out.contains(&Action::Remove {
+            horizon: Lsn(8 * SEG + 10)
+        }),
+        "after the save: {out:?}"
+    );
+}
+
+#[test]
+fn the_backup_lsn_and_the_peers_horizon_bound_removal_as_persisted() {
+    // Backed up to 4 in memory but 2 in the control file: removal stops at 2.
+    let persisted = lsns(9 * SEG, 9 * SEG, 2 * SEG);
+    let inmem = lsns(9 * SEG, 9 * SEG, 4 * SEG);
+    let mut core = ManagerCore::new(cfg(), obs(inmem, persisted), 1);
+    let out = listed(&mut core, 1..4);
+    assert!(
+        out.contains(&Action::Remove {
+            horizon: Lsn(2 * SEG)
+        }),
+        "{out:?}"
+    );
+    // The peers' horizon as persisted, with its page before.
+    let persisted = lsns(9 * SEG, 5 * SEG, 9 * SEG);
+    let mut core = ManagerCore::new(cfg(), obs(persisted, persisted), 1);
+    let out = listed(&mut core, 1..9);
+    assert!(
+        out.contains(&Action::Remove {
+            horizon: Lsn(5 * SEG - 8192)
+        }),
+        "{out:?}"
+    );
+    // Without remote storage nothing is ever removed or uploaded.
+    let mut core = ManagerCore::new(
+        Config {
+            remote: false,
+            ..cfg()
+        },
+        obs(persisted, persisted),
+        1,
+    );
+    let out = core.step(Event::Tick(Duration::from_secs(60)));
+    assert!(out.is_empty(), "{out:?}");
+}
+
+#[test]
+fn nothing_is_uploaded_before_the_store_was_listed_and_listed_segments_are_verified() {
+    let l = lsns(5 * SEG + 1, 5 * SEG, SEG);
+    let mut core = ManagerCore::new(cfg(), obs(l, l), 1);
+    assert_eq!(core.step(Event::Tick(Duration::ZERO)), vec![Action::List]);
+    assert!(uploads(&core.step(Event::Tick(Duration::from_secs(1)))).is_empty());
+    // A failed listing is retried with backoff.
+    assert!(core.step(Event::Listed(None)).is_empty());
+    assert_eq!(
+        core.step(Event::Tick(Duration::from_secs(2))),
+        vec![Action::List]
+    );
+    let out = core.step(Event::Listed(Some([2].into_iter().collect())));
+    assert_eq!(
+        out,
+        vec![
+            Action::Upload {
+                segno: 1,
+                valid_from: 0,
+                known_stored: false
+            },
+            Action::Upload {
+                segno: 2,
+                valid_from: 0,
+                known_stored: true
+            },
+        ],
+        "in order, at most the parallelism, the listed one verified"
+    );
+    // Out of order completion: the backed-up prefix moves only when it is contiguous.
+    let out = core.step(Event::Uploaded { segno: 2, ok: true });
+    assert!(
+        !out.iter().any(|a| matches!(a, Action::SetBackupLsn(_))),
+        "{out:?}"
+    );
+    assert_eq!(uploads(&out), vec![3]);
+    let out = core.step(Event::Uploaded { segno: 1, ok: true });
+    assert!(out.contains(&Action::SetBackupLsn(Lsn(3 * SEG))), "{out:?}");
+    assert_eq!(uploads(&out), vec![4]);
+}
+
+#[test]
+fn a_failed_upload_is_retried_with_backoff() {
+    let l = lsns(2 * SEG + 1, 2 * SEG, SEG);
+    let mut core = ManagerCore::new(cfg(), obs(l, l), 1);
+    assert_eq!(uploads(&listed(&mut core, [])), vec![1]);
+    let out = core.step(Event::Uploaded {
+        segno: 1,
+        ok: false,
+    });
+    assert!(uploads(&out).is_empty(), "not at once: {out:?}");
+    assert_eq!(core.next_wakeup(), Some(FIRST_BACKOFF));
+    assert_eq!(uploads(&core.step(Event::Tick(FIRST_BACKOFF))), vec![1]);
+    core.step(Event::Uploaded {
+        segno: 1,
+        ok: false,
+    });
+    assert_eq!(core.next_wakeup(), Some(FIRST_BACKOFF * 3), "doubled");
+}
+
+/// Issue 26: after a restart whose control file was older than a removal, the backup LSN is
+/// below the first local segment. The store's listing covers those segments; one it does not
+/// hold is reported, never retried from a file that is gone.
+#[test]
+fn a_restarted_node_backs_up_from_what_is_local_or_stored() {
+    let l = lsns(8 * SEG + 1, 8 * SEG, 2 * SEG);
+    // Segments below 5 were removed before the restart.
+    let mut core = ManagerCore::new(cfg(), obs(l, l), 5);
+    let out = listed(&mut core, [2, 3, 4]);
+    assert!(out.contains(&Action::SetBackupLsn(Lsn(5 * SEG))), "{out:?}");
+    assert_eq!(uploads(&out), vec![5, 6]);
+    // Segment 3 missing from the store: reported once, nothing uploaded below the local WAL.
+    let mut core = ManagerCore::new(cfg(), obs(l, l), 5);
+    let out = listed(&mut core, [2, 4]);
+    assert_eq!(
+        out.iter()
+            .filter(|a| **a == Action::Missing { segno: 3 })
+            .count(),
+        1
+    );
+    assert!(
+        uploads(&out).iter().all(|s| *s >= 5),
+        "a removed segment is never uploaded: {out:?}"
+    );
+    assert!(out.contains(&Action::SetBackupLsn(Lsn(3 * SEG))), "{out:?}");
+    let out = core.step(Event::Tick(Duration::from_secs(1)));
+    assert!(
+        !out.contains(&Action::Missing { segno: 3 }),
+        "once: {out:?}"
+    );
+    // It is looked for again later.
+    let out = core.step(Event::Tick(RELIST_MISSING_AFTER + Duration::from_secs(1)));
+    assert_eq!(out, vec![Action::List]);
+}
+
+#[test]
+fn a_deleted_timeline_stops_its_work_and_then_asks_for_nothing() {
+    let l = lsns(5 * SEG + 1, 5 * SEG, SEG);
+    let mut core = ManagerCore::new(cfg(), obs(l, l), 1);
+    assert!(!uploads(&listed(&mut core, [])).is_empty());
+    assert_eq!(core.step(Event::Deleted), vec![Action::Stop]);
+    // Late answers of aborted work ask for nothing.
+    assert!(core.step(Event::Uploaded { segno: 1, ok: true }).is_empty());
+    assert!(core.step(Event::Tick(Duration::from_secs(99))).is_empty());
+    assert_eq!(core.step(Event::Stopped), vec![Action::Finished]);
+    assert!(core.step(Event::Observed(obs(l, l))).is_empty());
+    assert_eq!(core.next_wakeup(), None);
+}
+
+#[test]
+fn saves_come_due_by_time_or_when_the_commit_ran_a_segment_ahead() {
+    let persisted = lsns(SEG + 5, 0, 0);
+    let cfg = Config {
+        remote: false,
+        ..cfg()
+    };
+    let mut core = ManagerCore::new(cfg, obs(persisted, persisted), 1);
+    let moved = lsns(SEG + 500, 0, 0);
+    assert!(core.step(Event::Observed(obs(moved, persisted))).is_empty());
+    assert_eq!(core.next_wakeup(), Some(cfg.save_interval));
+    assert_eq!(
+        core.step(Event::Tick(cfg.save_interval)),
+        vec![Action::Save]
+    );
+    core.step(Event::Saved { ok: true });
+    let far = lsns(2 * SEG + 500, 0, 0);
+    assert_eq!(
+        core.step(Event::Observed(obs(far, moved))),
+        vec![Action::Save],
+        "a segment ahead: at once"
+    );
+}
+
+/// A removal that readers' holds cut short is not retried in a loop, but after a while.
+#[test]
+fn a_removal_cut_short_by_a_hold_is_tried_again_later() {
+    let l = lsns(9 * SEG, 9 * SEG, 9 * SEG);
+    let mut core = ManagerCore::new(cfg(), obs(l, l), 1);
+    let h = core.removal_horizon();
+    assert_eq!(
+        h,
+        Lsn(9 * SEG - 8192),
+        "the page below the peers' horizon stays"
+    );
+    let out = listed(&mut core, 1..9);
+    assert!(out.contains(&Action::Remove { horizon: h }));
+    let out = core.step(Event::Removed { first_local: 4 });
+    assert!(
+        !out.iter().any(|a| matches!(a, Action::Remove { .. })),
+        "{out:?}"
+    );
+    assert_eq!(core.next_wakeup(), Some(REMOVE_AGAIN_AFTER));
+    let out = core.step(Event::Tick(REMOVE_AGAIN_AFTER));
+    assert!(out.contains(&Action::Remove { horizon: h }), "{out:?}");
+}
+
+#[test]
+fn a_snapshot_starts_at_the_backed_up_point_with_remote_storage() {
+    let i = SnapshotInputs {
+        seg_size: SEG,
+        wal_start: Lsn(SEG + 40),
+        first_local: Lsn(4 * SEG),
+        flush: Lsn(9 * SEG + 7),
+        horizon: Lsn(6 * SEG + 100),
+        remote: true,
+    };
+    assert_eq!(
+        snapshot_start(&i),
+        Ok(Lsn(6 * SEG)),
+        "the horizon's segment start"
+    );
+    let nothing_backed = SnapshotInputs {
+        horizon: Lsn::INVALID,
+        first_local: Lsn(SEG),
+        ..i
+    };
+    assert_eq!(
+        snapshot_start(&nothing_backed),
+        Ok(Lsn(SEG + 40)),
+        "the WAL's start"
+    );
+    // Never below what is still local.
+    let behind = SnapshotInputs {
+        horizon: Lsn(2 * SEG),
+        ..i
+    };
+    assert_eq!(snapshot_start(&behind), Ok(Lsn(4 * SEG)));
+    // Without remote storage: from the WAL's start, which must be local.
+    let local = SnapshotInputs { remote: false, ..i };
+    assert!(
+        snapshot_start(&local)
+            .unwrap_err()
+            .contains("--remote-storage")
+    );
+    let whole = SnapshotInputs {
+        remote: false,
+        first_local: Lsn(SEG),
+        ..i
+    };
+    assert_eq!(snapshot_start(&whole), Ok(Lsn(SEG + 40)));
+}
+
+#[test]
+fn a_pull_needs_a_majority_of_the_members_not_of_the_hosts_asked() {
+    use sk_core::state::{Configuration, SafekeeperId};
+    use sk_core::types::{Generation, NodeId};
+    let member = |id| SafekeeperId {
+        id: NodeId(id),
+        host: format!("sk{id}"),
+        pg_port: 5454,
+    };
+    let mconf = Configuration {
+        generation: Generation(3),
+        members: vec![member(1), member(2), member(3)],
+        new_members: None,
+    };
+    // Two hosts asked, both answered, but only one is a member: not a majority of members.
+    let err = pull_quorum(&[NodeId(1), NodeId(9)], &mconf, 2).unwrap_err();
+    assert!(err.contains("members [1, 2, 3]"), "{err}");
+    assert!(pull_quorum(&[NodeId(1), NodeId(3)], &mconf, 2).is_ok());
+    // Joint: a majority of each half.
+    let joint = Configuration {
+        new_members: Some(vec![member(3), member(4), member(5)]),
+        ..mconf.clone()
+    };
+    assert!(pull_quorum(&[NodeId(1), NodeId(2)], &joint, 5).is_err());
+    assert!(pull_quorum(&[NodeId(1), NodeId(3), NodeId(4)], &joint, 5).is_ok());
+    // Generation 0: a majority of the hosts asked.
+    let none = Configuration::default();
+    assert!(pull_quorum(&[NodeId(1)], &none, 3).is_err());
+    assert!(pull_quorum(&[NodeId(1), NodeId(2)], &none, 3).is_ok());
+}
