@@ -55,6 +55,7 @@ def test_datadir_lock_refuses_second_daemon(safekeeper):
     assert requests.get(f"{safekeeper.http}/v1/status", timeout=5).ok
 
 
+@pytest.mark.promise(14)
 def test_node_id_is_kept_in_the_data_directory(safekeeper_factory):
     """Issue 26, defect 7: the id follows the data. A restart without --id is the stored node,
     not node 1; a different --id refuses to start naming both ids."""

@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 
+import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, lsn_int, max_acked, wait_until
@@ -106,9 +107,8 @@ def accepted(sk) -> bool:
         return read_message(s)[0] != b"E"
 
 
-def test_idle_sockets_that_never_authenticate_do_not_keep_clients_out(
-    safekeeper_factory, tmp_path
-):
+@pytest.mark.promise(14)
+def test_idle_sockets_that_never_authenticate_do_not_keep_clients_out(safekeeper_factory, tmp_path):
     """Issue 26, defect 8: 600 TCP connections that never send a startup packet (far more than
     --max-connections and the handshake pool) used to hold every slot for the whole handshake
     timeout. They only push each other out of their own pool: an authenticated client gets in

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -256,6 +257,7 @@ def test_backup_removal_and_readers_from_the_backup(safekeeper_factory, store, t
     assert 0 < gauge("safekeeper_timeline_local_wal_bytes") <= KEEP + 3 * SEG
 
 
+@pytest.mark.promise(14)
 def test_pull_after_removal_starts_at_the_backed_up_point_and_serves_the_rest_from_the_store(
     safekeeper_factory, store, tmp_path
 ):
@@ -294,6 +296,61 @@ def test_pull_after_removal_starts_at_the_backed_up_point_and_serves_the_rest_fr
     assert full[: backed // SEG - first] == [seg_name(n) for n in range(first, backed // SEG)]
     for name in full:
         assert (recv / name).read_bytes() == (timeline_dir(sks[2]) / name).read_bytes(), name
+
+
+READERS = int(os.environ.get("WAL_LIFECYCLE_READERS", "200"))
+
+
+@pytest.mark.promise(14)
+def test_readers_below_the_local_wal_share_a_bounded_read_budget(safekeeper_factory, store):
+    """Issue 26, defect 6: a reader below the local WAL once downloaded its whole segment
+    before it was counted (40 readers took the daemon from 107 to 716 MiB). Now each reads
+    ranges of at most 1 MiB against --remote-read-budget: 200 readers from the timeline start
+    that never read their sockets stay within that budget plus their small buffers. Readers
+    hold nothing: removal goes on under them."""
+    from fixtures.pgwire import connect, query
+
+    sk = safekeeper_factory(
+        1,
+        extra_args=["--remote-storage", store.url, "--wal-keep-size", "0"]
+        + ["--remote-read-budget", "16MB", "--max-connections", str(READERS + 20)],
+        env=store.env,
+    ).start()
+    stats = push([sk], "24M")
+    start, end = lsn_int(stats["start_lsn"]), lsn_int(stats["commit_lsn"])
+    backed_up_to([sk], end)
+    wait_until(lambda: lsn_int(status(sk)["removal_horizon_lsn"]) > start + 16 * SEG, "removal")
+    rss_before = sk.rss_bytes()
+    readers = []
+    for _ in range(READERS):
+        s = connect(sk.pg_port)
+        assert not isinstance(s, dict), s
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        tag, body = query(s, f"START_REPLICATION {start >> 32:X}/{start & 0xFFFFFFFF:X}")
+        assert tag == b"W", body
+        readers.append(s)
+
+    def buffered() -> int:
+        metrics = requests.get(f"{sk.http}/metrics", timeout=5).text
+        return next(
+            int(float(x.split()[-1]))
+            for x in metrics.splitlines()
+            if x.startswith("safekeeper_remote_read_buffered_bytes ")
+        )
+
+    # Every reader is streaming (its socket full) or waiting for the budget, which is spent.
+    wait_until(lambda: status(sk)["readers"] == READERS, "every reader counted")
+    wait_until(lambda: buffered() >= 15 << 20, "the read budget spent by the readers")
+    rss = sk.rss_bytes()
+    buffered = buffered()
+    print(
+        f"{READERS} readers below the local WAL: RSS {rss_before >> 20} -> {rss >> 20} MiB, "
+        f"{buffered >> 20} MiB buffered from the store"
+    )
+    assert 0 < buffered <= 16 << 20, buffered
+    assert rss - rss_before < (16 << 20) + READERS * (512 << 10), (rss_before, rss)
+    for s in readers:
+        s.close()
 
 
 @pytest.mark.promise(12)

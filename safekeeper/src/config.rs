@@ -138,6 +138,19 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_MAX_DISK_USAGE_RATIO", default_value_t = 0.0, value_parser = parse_ratio)]
     pub max_disk_usage_ratio: f64,
 
+    /// Most bytes of WAL read from remote storage for readers (below the local WAL) in
+    /// progress or buffered at once on the node: each reader reads ranges of at most 1 MiB,
+    /// taken from this budget before they are requested (readers wait for it beyond).
+    #[arg(long, env = "SAFEKEEPER_REMOTE_READ_BUDGET", default_value = "64MB", value_parser = parse_size)]
+    pub remote_read_budget: u64,
+
+    /// With remote storage, how far behind the end of WAL a reader may hold local WAL from
+    /// removal (like PostgreSQL's max_slot_wal_keep_size); a reader that falls further behind
+    /// is cut with an error saying so. 0 (the default): readers hold nothing, and WAL removed
+    /// under a reader is served to it from the store.
+    #[arg(long, env = "SAFEKEEPER_MAX_READER_HOLD", default_value = "0", value_parser = parse_size)]
+    pub max_reader_hold: u64,
+
     /// Most segment uploads (or verifications) in progress at once on the node.
     #[arg(long, env = "SAFEKEEPER_BACKUP_PARALLELISM", default_value_t = 4,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
@@ -223,6 +236,8 @@ impl Conf {
             remote_storage: None,
             wal_keep_size: 128 << 20,
             backup_parallelism: 4,
+            remote_read_budget: 64 << 20,
+            max_reader_hold: 0,
             max_timeline_disk_usage: 0,
             max_disk_usage_ratio: 0.0,
             log_format: LogFormat::Text,

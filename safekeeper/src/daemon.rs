@@ -201,7 +201,10 @@ pub async fn run(
     let pg_port = listeners.pg_addr().port();
     // Remote storage: a bad URL or configuration stops start-up, naming the flag.
     let remote = match &conf.remote_storage {
-        Some(url) => Some(crate::wal_backup::RemoteStorage::from_url(url)?),
+        Some(url) => Some(
+            crate::wal_backup::RemoteStorage::from_url(url)?
+                .with_reader_limits(conf.remote_read_budget, conf.max_reader_hold),
+        ),
         None => None,
     };
     let lock = DataDirLock::acquire(&conf.datadir)?;

@@ -175,29 +175,32 @@ pub async fn drive(tl: Arc<Timeline>, settings: Settings, cancel: CancellationTo
     let mut deleted = false;
     let mut pending: Vec<Action> = core.step(Event::Tick(Duration::ZERO));
     loop {
-        for action in std::mem::take(&mut pending) {
-            match action {
-                Action::Stop => {
-                    inflight.abort_all();
-                    while inflight.join_next().await.is_some() {}
-                    fallback.clear();
-                    pending.extend(core.step(Event::Stopped));
-                }
-                Action::Finished => return,
-                Action::Missing { segno } => {
-                    metrics::BACKUP_ERRORS.inc();
-                    tracing::error!(
-                        segno,
-                        "segment {segno} is below this node's local WAL and not in remote \
+        // Until nothing is left: performing an action may ask for more (Stop → Finished).
+        while !pending.is_empty() {
+            for action in std::mem::take(&mut pending) {
+                match action {
+                    Action::Stop => {
+                        inflight.abort_all();
+                        while inflight.join_next().await.is_some() {}
+                        fallback.clear();
+                        pending.extend(core.step(Event::Stopped));
+                    }
+                    Action::Finished => return,
+                    Action::Missing { segno } => {
+                        metrics::BACKUP_ERRORS.inc();
+                        tracing::error!(
+                            segno,
+                            "segment {segno} is below this node's local WAL and not in remote \
                          storage: it cannot be backed up from here (listing the store again later)"
-                    );
-                }
-                action => {
-                    let fb = fallback_of(&action);
-                    let id = inflight
-                        .spawn(perform(tl.clone(), settings.clone(), action))
-                        .id();
-                    fallback.insert(id, fb);
+                        );
+                    }
+                    action => {
+                        let fb = fallback_of(&action);
+                        let id = inflight
+                            .spawn(perform(tl.clone(), settings.clone(), action))
+                            .id();
+                        fallback.insert(id, fb);
+                    }
                 }
             }
         }
@@ -324,5 +327,32 @@ async fn perform(tl: Arc<Timeline>, settings: Settings, action: Action) -> Event
             }
         }
         Action::Missing { .. } | Action::Stop | Action::Finished => Event::Tick(Duration::ZERO),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{elected_timeline, sim_node};
+
+    /// A deleted timeline's driver ends by itself (its Stop asks for Finished, with nothing
+    /// else to wake it: a driver that waited for another event kept the timeline id's slot and
+    /// its remote deletion pending forever, found by the nemesis run).
+    #[tokio::test]
+    async fn a_deleted_timelines_driver_finishes() {
+        let (_sim, _fs, timelines) = sim_node();
+        let tl = elected_timeline(&timelines, 3, 1 << 20, sk_core::types::Lsn(1 << 20));
+        let settings = Settings {
+            backup: None,
+            wal_keep_size: 0,
+            supervise_every: Duration::from_secs(1),
+        };
+        let job = tokio::spawn(drive(tl.clone(), settings, CancellationToken::new()));
+        tokio::task::yield_now().await;
+        crate::blocking::section(|| tl.mark_deleted());
+        tokio::time::timeout(Duration::from_secs(10), job)
+            .await
+            .expect("the driver finishes after the delete")
+            .unwrap();
     }
 }

