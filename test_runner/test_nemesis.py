@@ -15,7 +15,7 @@ At the end: every acknowledged byte identical (by the ledger's SHA-256) on every
 or in the store; every node restarts; the replacement completed; no status request waited more
 than 10 s; RSS bounded. The seed is printed (and named on failure).
 
-Knobs: NEMESIS_SEEDS (comma-separated, default "1"), NEMESIS_STEPS (default 8; the long mode is
+Knobs: NEMESIS_SEEDS (comma-separated, default "1,2"), NEMESIS_STEPS (default 8; the long mode is
 e.g. NEMESIS_STEPS=200 NEMESIS_SEEDS=1,2,3)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from test_node_replacement import TL_PATH, Cluster
 from test_wal_lifecycle import BUCKET, S3Store
 
 SEG = 1 << 20
-SEEDS = [int(s) for s in os.environ.get("NEMESIS_SEEDS", "1").split(",")]
+SEEDS = [int(s) for s in os.environ.get("NEMESIS_SEEDS", "1,2").split(",")]
 STEPS = int(os.environ.get("NEMESIS_STEPS", "8"))
 TIMELINE2 = "0f" * 16
 
@@ -134,11 +134,13 @@ def test_nemesis(tmp_path, seed):
     replaced = False
     try:
         wait_until(lambda: max(e for e, _ in ledger(ack_log) or [(0, None)]) > 4 * SEG, "commits")
+        # One replacement per run, at a seeded step; the other faults at random.
+        replace_at = rng.randrange(STEPS)
         for step in range(STEPS):
             live = [i for i in members]
-            fault = rng.choice(["kill", "kill-after-removal", "outage", "recreate", "replace"])
-            if fault == "replace" and replaced:
-                fault = "kill"
+            fault = rng.choice(["kill", "kill-after-removal", "outage", "recreate"])
+            if step == replace_at:
+                fault = "replace"
             faults.append(fault)
             print(f"step {step}: {fault}")
             if fault in ("kill", "kill-after-removal"):
@@ -206,6 +208,7 @@ def test_nemesis(tmp_path, seed):
             hashlib.sha256(wal_of(cluster, i, store, start, max_acked)).hexdigest() for i in members
         }
         assert len(digest) == 1, f"seed {seed}: the members' WAL differs"
+        assert replaced, "the schedule replaced no node"
         if replaced:
             st = status(cluster, members[0])
             assert sorted(m["id"] for m in st["mconf"]["members"]) == sorted(members), st
@@ -224,43 +227,48 @@ def test_nemesis(tmp_path, seed):
         store.close()
 
 
+def create_everywhere(cluster: Cluster, members: list[int], create: dict, seed: int) -> None:
+    """Creates timeline 2 on every member, retrying while a deletion of it is still deleting
+    its remote objects (409 "being deleted")."""
+    for i in members:
+        url = f"{cluster.sk(i).http}/v1/tenant/{TENANT}/timeline"
+        deadline = time.monotonic() + 60
+        r = requests.post(url, json=create, timeout=30)
+        while r.status_code == 409 and "being deleted" in r.text:
+            assert time.monotonic() < deadline, f"seed {seed}: node {i} never finished the deletion"
+            time.sleep(0.2)
+            r = requests.post(url, json=create, timeout=30)
+        assert r.status_code in (200, 201), f"seed {seed}: create on {i}: {r.status_code} {r.text}"
+
+
 def recreate_other_timeline(cluster: Cluster, store: S3Store, members: list[int], seed: int):
-    """Timeline 2 gets WAL (backed up), is deleted on every member, and is created again with
-    the same ids: refused while its remote objects are being deleted, and the store holds none
-    of the old one's objects when it exists again."""
+    """Timeline 2 is created, gets WAL (backed up), is deleted on every member, and is created
+    again with the same ids: refused while its remote objects are being deleted, and the store
+    holds none of the old one's objects when it exists again. It is left deleted (a timeline
+    without a proposer would hold up a membership switch)."""
     path2 = f"/v1/tenant/{TENANT}/timeline/{TIMELINE2}"
+    create = {"timeline_id": TIMELINE2, "pg_version": 150000, "system_id": 7}
+    create["wal_seg_size"] = SEG
+    create_everywhere(cluster, members, create, seed)
     subprocess.run(
         [str(RELEASE_DIR / "walproposer"), "--safekeepers"]
         + [",".join(f"127.0.0.1:{cluster.pg_base + i}" for i in members)]
-        + ["--timeline-id", TIMELINE2, "--wal-seg-size", str(SEG), "--total", "3M"],
+        + ["--timeline-id", TIMELINE2, "--system-id", "7", "--wal-seg-size", str(SEG)]
+        + ["--total", "3M"],
         check=True,
         capture_output=True,
         timeout=120,
         env={**os.environ, "RUST_LOG": "warn"},
     )
     wait_until(lambda: objects(store, TIMELINE2), "timeline 2 backed up", timeout=60)
-    create = {"timeline_id": TIMELINE2}
-    st = status(cluster, members[0], path2)
-    create["pg_version"] = st["pg_version"]
-    create["system_id"] = st["system_id"]
-    create["wal_seg_size"] = st["wal_seg_size"]
-    for i in members:
-        r = requests.delete(cluster.sk(i).http + path2, timeout=30)
-        assert r.status_code == 200, r.text
+
+    def delete_everywhere():
+        for i in members:
+            r = requests.delete(cluster.sk(i).http + path2, timeout=30)
+            assert r.status_code == 200, r.text
+
+    delete_everywhere()
     wait_until(lambda: not objects(store, TIMELINE2), "timeline 2's objects deleted", timeout=60)
-    for i in members:
-        r = requests.post(
-            f"{cluster.sk(i).http}/v1/tenant/{TENANT}/timeline", json=create, timeout=30
-        )
-        deadline = time.monotonic() + 60
-        while r.status_code == 409 and "being deleted" in r.text:
-            assert time.monotonic() < deadline, f"seed {seed}: node {i} never finished the deletion"
-            time.sleep(0.2)
-            r = requests.post(
-                f"{cluster.sk(i).http}/v1/tenant/{TENANT}/timeline", json=create, timeout=30
-            )
-        assert r.status_code in (
-            200,
-            201,
-        ), f"seed {seed}: recreate on {i}: {r.status_code} {r.text}"
+    create_everywhere(cluster, members, create, seed)
     assert not objects(store, TIMELINE2), "the recreated timeline sees the old one's objects"
+    delete_everywhere()
