@@ -38,9 +38,11 @@ TL_PATH = f"/v1/tenant/{TENANT}/timeline/{TIMELINE}"
 
 
 def free_base(n: int) -> int:
-    """A port base such that base+1..base+n are free."""
+    """A port base such that base+1..base+n are free, below the kernel's ephemeral range
+    (`ip_local_port_range`, 32768-60999 by default): a node started late in a long run (the
+    nemesis' replacement) once found its port taken by some client's ephemeral port."""
     for _ in range(200):
-        base = random.randrange(20000, 60000)
+        base = random.randrange(10000, 32000)
         try:
             for i in range(1, n + 1):
                 with socket.socket() as s:
