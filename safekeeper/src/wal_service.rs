@@ -146,16 +146,33 @@ async fn handle_connection(
     shutdown: CancellationToken,
 ) -> Result<(), PqError> {
     // Encryption, startup and authentication, all under the handshake timeout.
+    // Authenticated, a connection takes its slot of --max-connections, or is refused in place
+    // of AuthenticationOk as PostgreSQL refuses (the message libpq shows).
+    let limit = admit.limit;
+    let slot = || {
+        limit.try_acquire().ok_or_else(|| {
+            metrics::PG_CONNECTIONS
+                .with_label_values(&["too_many"])
+                .inc();
+            ErrorFields::fatal(
+                sqlstate::TOO_MANY_CONNECTIONS,
+                format!(
+                    "sorry, too many clients already (--max-connections {})",
+                    conf.max_connections
+                ),
+            )
+        })
+    };
     let handshake = async {
         let mut conn = negotiate_tls(stream, conf).await?;
-        let (params, claims) = match &conf.auth {
-            None => conn.handshake().await.map(|p| (p, None))?,
+        let (params, claims, slot) = match &conf.auth {
+            None => conn.handshake_then(slot).await.map(|(p, s)| (p, None, s))?,
             Some(auth) => conn
-                .handshake_with_password(|params, pw| authenticate(auth, params, pw))
+                .handshake_with_password_then(|params, pw| authenticate(auth, params, pw), slot)
                 .await
-                .map(|(p, claims)| (p, Some(claims)))?,
+                .map(|(p, claims, s)| (p, Some(claims), s))?,
         };
-        Ok::<_, PqError>((conn, params, claims))
+        Ok::<_, PqError>((conn, params, claims, slot))
     };
     let handshake = async {
         tokio::select! {
@@ -163,7 +180,7 @@ async fn handle_connection(
             _ = admit.handshaking.evicted().cancelled() => Err(()),
         }
     };
-    let (mut conn, params, claims) =
+    let (mut conn, params, claims, _slot) =
         match tokio::time::timeout(conf.handshake_timeout, handshake).await {
             Ok(Ok(r)) => r?,
             Ok(Err(())) => {
@@ -187,22 +204,6 @@ async fn handle_connection(
             }
         };
     drop(admit.handshaking);
-    // Authenticated: now it takes a slot of --max-connections, or is refused as PostgreSQL
-    // refuses (the message libpq shows).
-    let Some(_slot) = admit.limit.try_acquire() else {
-        metrics::PG_CONNECTIONS
-            .with_label_values(&["too_many"])
-            .inc();
-        conn.send_fatal(ErrorFields::fatal(
-            sqlstate::TOO_MANY_CONNECTIONS,
-            format!(
-                "sorry, too many clients already (--max-connections {})",
-                conf.max_connections
-            ),
-        ))
-        .await?;
-        return Ok(());
-    };
     let appname = params.application_name().unwrap_or("").to_string();
     let options = match parse_options(params.get("options").unwrap_or("")) {
         Ok(o) => o,

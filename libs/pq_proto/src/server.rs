@@ -205,6 +205,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
     /// Not cancellation-safe (a half-done handshake cannot be resumed); wrap it in a timeout
     /// and drop the connection if it fires.
     pub async fn handshake(&mut self) -> Result<StartupParams, PqError> {
+        self.handshake_then(|| Ok(())).await.map(|(p, ())| p)
+    }
+
+    /// [`Self::handshake`] with an admission step between authentication and
+    /// AuthenticationOk: `admit` runs once the client authenticated, and its `Err(fields)` is
+    /// sent as a FATAL ErrorResponse in place of AuthenticationOk (as PostgreSQL refuses a
+    /// client over `max_connections`), failing with [`PqError::Rejected`]. Its `Ok(a)` (a
+    /// connection slot, say) is returned with the parameters.
+    pub async fn handshake_then<A>(
+        &mut self,
+        admit: impl FnOnce() -> Result<A, ErrorFields>,
+    ) -> Result<(StartupParams, A), PqError> {
         let (params, user) = self.startup().await?;
         if let Some(secret) = self.config.password.clone() {
             let p = self.read_password().await?;
@@ -217,8 +229,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
                     .await);
             }
         }
+        let admitted = match admit() {
+            Ok(a) => a,
+            Err(e) => return Err(self.reject(e).await),
+        };
         self.finish_startup(&params).await?;
-        Ok(params)
+        Ok((params, admitted))
     }
 
     /// Like [`Self::handshake`], but always asks for a cleartext password and lets `check`
@@ -230,14 +246,30 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
         &mut self,
         check: impl FnOnce(&StartupParams, &[u8]) -> Result<T, ErrorFields>,
     ) -> Result<(StartupParams, T), PqError> {
+        self.handshake_with_password_then(check, || Ok(()))
+            .await
+            .map(|(p, t, ())| (p, t))
+    }
+
+    /// [`Self::handshake_with_password`] with the admission step of [`Self::handshake_then`]
+    /// after the password was checked.
+    pub async fn handshake_with_password_then<T, A>(
+        &mut self,
+        check: impl FnOnce(&StartupParams, &[u8]) -> Result<T, ErrorFields>,
+        admit: impl FnOnce() -> Result<A, ErrorFields>,
+    ) -> Result<(StartupParams, T, A), PqError> {
         let (params, _user) = self.startup().await?;
         let password = self.read_password().await?;
         let proved = match check(&params, &password) {
             Ok(t) => t,
             Err(e) => return Err(self.reject(e).await),
         };
+        let admitted = match admit() {
+            Ok(a) => a,
+            Err(e) => return Err(self.reject(e).await),
+        };
         self.finish_startup(&params).await?;
-        Ok((params, proved))
+        Ok((params, proved, admitted))
     }
 
     /// The startup phase up to authentication: encryption requests, the StartupMessage and its
