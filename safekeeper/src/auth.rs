@@ -18,7 +18,7 @@ use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
-use crate::config::read_secret_file;
+use crate::secrets::read_secret_file;
 use sk_core::types::TenantId;
 
 /// What a token may do.

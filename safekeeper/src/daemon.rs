@@ -19,8 +19,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::auth::JwtAuth;
-use crate::config::{Conf, read_secret_file};
+use crate::config::Conf;
 use crate::registry::{GlobalTimelines, TimelineCollector};
+use crate::secrets::read_secret_file;
 use crate::tls::TlsConfig;
 use crate::wal_service::WalServiceConf;
 use crate::wal_store::{DEFAULT_MAX_OPEN_SEGMENT_FILES, OpenFiles};
@@ -197,7 +198,10 @@ pub async fn run(
         _ => bail!("--tls-cert and --tls-key go together"),
     };
     conf.check_open_binding()?;
-    let peer = crate::peer::PeerClient::from_conf(&conf)?;
+    let peer = crate::peer::PeerClient::from_files(
+        conf.peer_auth_token_path.as_deref(),
+        conf.peer_ca.as_deref(),
+    )?;
     let pg_port = listeners.pg_addr().port();
     // Remote storage: a bad URL or configuration stops start-up, naming the flag.
     let remote = match &conf.remote_storage {
@@ -294,7 +298,7 @@ pub async fn run(
         datadir: conf.datadir.clone(),
     };
     let disk = limits.any().then(|| {
-        tokio::spawn(crate::disk_usage::run(
+        tokio::spawn(crate::lifecycle::run_disk_limits(
             timelines.clone(),
             limits,
             LIFECYCLE_TICK,

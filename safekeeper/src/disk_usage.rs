@@ -1,4 +1,5 @@
-//! Disk-usage limits (`--max-timeline-disk-usage`, `--max-disk-usage-ratio`): a task measures
+//! Disk-usage limits (`--max-timeline-disk-usage`, `--max-disk-usage-ratio`): a task
+//! ([`crate::lifecycle::run_disk_limits`]) measures
 //! each timeline's directory (allocated bytes, so sparse segments count as what they use) and
 //! the data directory's file system, and marks the timelines past a limit; their appends are
 //! then refused with an error naming the limit (reads, backup and removal go on), until a later
@@ -15,14 +16,9 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use sk_core::types::Lsn;
-use tokio_util::sync::CancellationToken;
-
-use crate::registry::GlobalTimelines;
 
 /// The limits; zero means no limit.
 #[derive(Clone, Debug)]
@@ -155,59 +151,6 @@ pub fn fs_usage(path: &Path) -> std::io::Result<FsSample> {
         size,
         appended_at,
     })
-}
-
-/// Measures every `tick` and marks the timelines past a limit (see the module docs). Runs
-/// until `cancel`.
-pub async fn run(
-    timelines: Arc<GlobalTimelines>,
-    limits: DiskLimits,
-    tick: Duration,
-    cancel: CancellationToken,
-) {
-    let mut ticker = crate::ticker::Ticker::new(tick);
-    while ticker.tick(&cancel).await {
-        let (timelines, limits) = (timelines.clone(), limits.clone());
-        let _ = crate::blocking::spawn(move || measure(&timelines, &limits)).await;
-    }
-}
-
-/// One measurement of every timeline (blocking).
-pub fn measure(timelines: &GlobalTimelines, limits: &DiskLimits) {
-    let fs = if limits.max_fs_ratio > 0.0 {
-        match fs_usage(&limits.datadir) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                tracing::warn!("measuring the data directory's file system: {e}");
-                None
-            }
-        }
-    } else {
-        None
-    };
-    for tl in timelines.all() {
-        let at = tl.status().write_lsn;
-        let used = match dir_usage(&tl.dir) {
-            Ok(u) => u,
-            Err(e) => {
-                tracing::warn!("measuring {}: {e}", tl.dir.display());
-                continue;
-            }
-        };
-        let gauge = Gauge {
-            limits: Some(limits.clone()),
-            used,
-            at,
-            fs,
-        };
-        if let Some(v) = tl.set_disk_gauge(gauge) {
-            let _span = crate::timeline::span(&tl.ttid).entered();
-            match v {
-                Some(why) => tracing::warn!("refusing appends: {why}"),
-                None => tracing::info!("disk usage back under the limits: appends resume"),
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -5,13 +5,24 @@
 //! `pg_wal` (WAL formats) → `pq_proto` (PostgreSQL wire protocol) → `sk_core` (protocol v3,
 //! `SafeKeeper::process_msg`, storage traits) → this crate. Inside it:
 //! 1. storage: [`control_file`] and [`wal_store`], the file implementations of `sk_core`'s
-//!    storage traits;
-//! 2. timelines: [`timeline`] (one timeline's acceptor behind a lock, its positions and typed
-//!    errors) and [`registry`] (the node's timelines: loading, lookup, creation, metrics);
-//! 3. network and tasks (tokio): [`command`] (neon's replication commands), [`wal_service`] (the
-//!    listener), [`receive_wal`] (the pipelined WAL acceptor), [`send_wal`] (the walsender);
-//! 4. HTTP: [`http`], [`metrics`]; [`auth`] (JWT scopes, both ports); [`limits`] (connection
-//!    limits, idle timeouts); [`config`], [`logging`] and [`daemon`] tie everything together.
+//!    storage traits; [`remote_storage`] (the object store), [`remove_wal`] (the horizon and
+//!    the readers' holds), [`disk_usage`] (the disk limits' gauges); [`blocking`] (where a thread
+//!    may block, the lock order);
+//! 2. the timeline manager's decisions, sans I/O: [`manager`] (backup, removal, control-file
+//!    saves, a deleted timeline's end, snapshot points, pull quorums, peer recovery's donor
+//!    rules), driven by a seeded simulation;
+//! 3. timelines: [`timeline`] (one timeline's acceptor behind a lock, its published view and
+//!    typed errors) and [`registry`] (the node's timelines: loading, lookup, creation, deletion,
+//!    metrics);
+//! 4. network and tasks (tokio): [`lifecycle`] (the managers' driver), [`command`] (neon's
+//!    replication commands), [`wal_service`] (the listener), [`receive_wal`] (the pipelined WAL
+//!    acceptor), [`send_wal`] (the walsender), [`wal_backup`] (uploads, remote reads),
+//!    [`recovery`], [`pull`];
+//! 5. HTTP: [`http`], [`metrics`]; [`auth`] (JWT scopes, both ports); [`limits`] (connection
+//!    limits, idle timeouts); [`config`], [`secrets`], [`node_id`], [`logging`] and [`daemon`]
+//!    tie everything together.
+//!
+//! The modules form no import cycle (`tests/module_graph.rs`).
 
 pub mod auth;
 pub mod blocking;
@@ -32,7 +43,9 @@ pub mod pull;
 pub mod receive_wal;
 pub mod recovery;
 pub mod registry;
+pub mod remote_storage;
 pub mod remove_wal;
+pub mod secrets;
 pub mod send_wal;
 #[cfg(test)]
 mod test_util;

@@ -330,6 +330,60 @@ async fn perform(tl: Arc<Timeline>, settings: Settings, action: Action) -> Event
     }
 }
 
+/// Measures every `tick` and marks the timelines past a disk-usage limit (see
+/// [`crate::disk_usage`]). Runs
+/// until `cancel`.
+pub async fn run_disk_limits(
+    timelines: Arc<GlobalTimelines>,
+    limits: crate::disk_usage::DiskLimits,
+    tick: Duration,
+    cancel: CancellationToken,
+) {
+    let mut ticker = crate::ticker::Ticker::new(tick);
+    while ticker.tick(&cancel).await {
+        let (timelines, limits) = (timelines.clone(), limits.clone());
+        let _ = crate::blocking::spawn(move || measure_disk_usage(&timelines, &limits)).await;
+    }
+}
+
+/// One measurement of every timeline (blocking).
+pub fn measure_disk_usage(timelines: &GlobalTimelines, limits: &crate::disk_usage::DiskLimits) {
+    let fs = if limits.max_fs_ratio > 0.0 {
+        match crate::disk_usage::fs_usage(&limits.datadir) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!("measuring the data directory's file system: {e}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    for tl in timelines.all() {
+        let at = tl.status().write_lsn;
+        let used = match crate::disk_usage::dir_usage(&tl.dir) {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::warn!("measuring {}: {e}", tl.dir.display());
+                continue;
+            }
+        };
+        let gauge = crate::disk_usage::Gauge {
+            limits: Some(limits.clone()),
+            used,
+            at,
+            fs,
+        };
+        if let Some(v) = tl.set_disk_gauge(gauge) {
+            let _span = crate::timeline::span(&tl.ttid).entered();
+            match v {
+                Some(why) => tracing::warn!("refusing appends: {why}"),
+                None => tracing::info!("disk usage back under the limits: appends resume"),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -33,6 +33,8 @@ use sk_core::types::Lsn;
 
 use crate::remove_wal::{HorizonInputs, removal_horizon};
 
+pub mod recovery;
+
 /// First retry delay of a failed upload or listing; doubles up to [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// Longest retry delay.

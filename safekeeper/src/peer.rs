@@ -24,7 +24,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use sk_core::types::TenantTimelineId;
 
-use crate::config::{Conf, read_secret_file};
+use crate::secrets::read_secret_file;
 
 /// How long a peer may stay silent.
 pub const PEER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -90,8 +90,11 @@ impl PeerAddr {
 impl PeerClient {
     /// The client of `--peer-auth-token-path` and `--peer-ca`; an unreadable or empty file is an
     /// error naming the flag.
-    pub fn from_conf(conf: &Conf) -> anyhow::Result<PeerClient> {
-        let token = match &conf.peer_auth_token_path {
+    pub fn from_files(
+        peer_auth_token_path: Option<&Path>,
+        peer_ca: Option<&Path>,
+    ) -> anyhow::Result<PeerClient> {
+        let token = match peer_auth_token_path {
             Some(p) => {
                 let t = read_secret_file("--peer-auth-token-path", p)?;
                 Some(
@@ -103,7 +106,7 @@ impl PeerClient {
             }
             None => None,
         };
-        let tls = match &conf.peer_ca {
+        let tls = match peer_ca {
             Some(p) => Some(Arc::new(client_tls(p)?)),
             None => None,
         };

@@ -20,30 +20,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use std::path::Path;
-
-use pg_wal::format::parse_xlog_file_name;
 use pg_wal::lsn::XLOG_BLCKSZ;
-use sk_core::storage::fs::Fs;
 use sk_core::types::Lsn;
 
 use crate::blocking::{LeafGuard, LeafMutex};
-use crate::timeline::TimelineError;
-
-/// The lowest-numbered segment file (complete or `.partial`) in timeline directory `dir`.
-pub fn first_local_segment(
-    fs: &Fs,
-    dir: &Path,
-    seg_size: u64,
-) -> Result<Option<u64>, TimelineError> {
-    let names = fs
-        .list_dir(dir)
-        .map_err(|e| TimelineError::io(format!("reading {}", dir.display()), e))?;
-    Ok(names
-        .iter()
-        .filter_map(|n| parse_xlog_file_name(n, seg_size).map(|(segno, _)| segno))
-        .min())
-}
 
 /// What the removal horizon is computed from (one timeline, read at one moment).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

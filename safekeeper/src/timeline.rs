@@ -32,9 +32,9 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::control_file::FileControlStore;
-use crate::recovery::{LocalView, RecoveryStatus};
+use crate::manager::recovery::{LocalView, RecoveryStatus};
+use crate::remote_storage::RemoteStorage;
 use crate::remove_wal::{HorizonInputs, ReadHold, ReadHolds, removal_horizon};
-use crate::wal_backup::RemoteStorage;
 use crate::wal_store::{OpenFiles, WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
 
 /// Segments are prepared (zero-filled off the ingest path) for timelines whose WAL arrives
@@ -214,7 +214,7 @@ impl Timeline {
             timeline_id: control.timeline_id,
         };
         // Segments below the first local one were removed after backup: verify from there.
-        let first_local = crate::remove_wal::first_local_segment(fs, dir, seg_size)?;
+        let first_local = crate::wal_store::first_local_segment(fs, dir, seg_size)?;
         let verify_from = match first_local {
             Some(n) if Lsn(n * seg_size) > control.local_start_lsn => Lsn(n * seg_size),
             _ => control.local_start_lsn,

@@ -12,7 +12,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::TlsAcceptor;
 
-use crate::config::read_secret_file;
+use crate::secrets::read_secret_file;
 
 /// The server's TLS configuration, reloadable: each connection takes the current one.
 pub struct TlsConfig {

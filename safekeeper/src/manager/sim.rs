@@ -471,7 +471,7 @@ impl Sim {
     fn check(&mut self) {
         let Some(live) = &self.live else { return };
         let tl = &live.tl;
-        let first_local = crate::remove_wal::first_local_segment(&self.fs, &tl.dir, SEG)
+        let first_local = crate::wal_store::first_local_segment(&self.fs, &tl.dir, SEG)
             .unwrap()
             .unwrap_or(u64::MAX);
         let start_seg = START.segment_number(SEG);

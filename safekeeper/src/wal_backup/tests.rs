@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use pg_wal::generator::WalGenerator;
 use sk_core::protocol::ProposerAcceptorMessage;
-use sk_core::types::NodeId;
+use sk_core::types::{NodeId, TenantTimelineId};
 
 use super::*;
 use crate::registry::GlobalTimelines;

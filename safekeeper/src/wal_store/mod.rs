@@ -144,6 +144,17 @@ pub struct WalFileStore {
     commit_bound: bool,
 }
 
+/// The lowest-numbered segment file (complete or `.partial`) in timeline directory `dir`.
+pub fn first_local_segment(fs: &Fs, dir: &Path, seg_size: u64) -> Result<Option<u64>> {
+    let names = fs
+        .list_dir(dir)
+        .map_err(|e| Error::io(format!("reading {}", dir.display()), e))?;
+    Ok(names
+        .iter()
+        .filter_map(|n| parse_xlog_file_name(n, seg_size).map(|(segno, _)| segno))
+        .min())
+}
+
 /// Removes the segment files (complete or `.partial`) numbered below `below` from timeline
 /// directory `dir` and fsyncs the directory (unless `no_sync`) before it returns how many it
 /// removed. The caller makes sure no writer is at those segments: the timeline manager removes

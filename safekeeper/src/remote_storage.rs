@@ -1,0 +1,424 @@
+//! The remote store of WAL segments (`--remote-storage URL`), through the `object_store` crate:
+//! `file:///path` (local files, the embedded default) or `s3://bucket/prefix` (the usual AWS
+//! environment: `AWS_ENDPOINT_URL`, `AWS_REGION`, keys). A leaf below the timelines: it knows
+//! objects, segments and the readers' budget, not timelines (issue 26: the timeline imports it,
+//! and nothing here imports the timeline back).
+//!
+//! Objects are laid out as `<prefix>/<tenant_id>/<timeline_id>/<segment name>`. Several
+//! safekeepers hold the same segment: each one stores it with a conditional create
+//! (`PutMode::Create`, create-if-absent), so a segment is stored once; a node that finds it
+//! already stored downloads it and verifies size and CRC-32C against its own copy instead of
+//! overwriting it (no election between nodes). A mismatch is an error and the segment is never
+//! counted as backed up here.
+//!
+//! With `file://`, an object is fsynced (file and directories) before it counts as stored:
+//! `object_store`'s local store renames its objects in without syncing them.
+//!
+//! Not here: when segments are backed up ([`crate::manager`], [`crate::wal_backup`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
+use pg_wal::format::{parse_xlog_file_name, xlog_file_name};
+use sk_core::types::TenantTimelineId;
+use tokio::sync::Semaphore;
+
+use crate::metrics;
+
+/// A remote store of WAL segments.
+pub struct RemoteStorage {
+    store: Arc<dyn ObjectStore>,
+    /// Key prefix (no leading or trailing `/`), empty for the store's root.
+    prefix: String,
+    url: String,
+    /// The directory of a `file://` store (its objects are fsynced there).
+    local_root: Option<PathBuf>,
+    /// Readers' remote reads in progress, in KiB: a read takes its size before it starts
+    /// (`--remote-read-budget`).
+    read_budget: Arc<Semaphore>,
+    /// `--max-reader-hold`: how far behind the flush LSN a reader may hold local WAL (0: readers
+    /// hold nothing; removed WAL is served from the store).
+    max_reader_hold: u64,
+}
+
+/// The default of `--remote-read-budget`.
+pub const DEFAULT_REMOTE_READ_BUDGET: u64 = 64 << 20;
+/// The largest range one remote read asks for (and a reader buffers).
+pub const REMOTE_READ_RANGE: u64 = 1 << 20;
+
+/// How a segment came to be backed up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// This node stored it.
+    Uploaded,
+    /// It was already stored (by another node, or before a restart) and matches the local copy.
+    Verified,
+}
+
+impl RemoteStorage {
+    /// Opens the store of `url`: `file:///absolute/path` (created if missing) or
+    /// `s3://bucket[/prefix]` configured from the AWS environment (an `http://`
+    /// `AWS_ENDPOINT_URL`, as of a local S3 server, is allowed).
+    pub fn from_url(url: &str) -> anyhow::Result<RemoteStorage> {
+        let url = url.trim_end_matches('/').to_string();
+        if let Some(path) = url.strip_prefix("file://") {
+            if !path.starts_with('/') {
+                bail!("--remote-storage {url}: a file:// URL needs an absolute path");
+            }
+            let root = PathBuf::from(path);
+            std::fs::create_dir_all(&root)
+                .with_context(|| format!("--remote-storage {url}: creating {path}"))?;
+            let store = object_store::local::LocalFileSystem::new_with_prefix(&root)
+                .with_context(|| format!("--remote-storage {url}"))?;
+            return Ok(RemoteStorage {
+                store: Arc::new(store),
+                prefix: String::new(),
+                url,
+                local_root: Some(root),
+                read_budget: budget(DEFAULT_REMOTE_READ_BUDGET),
+                max_reader_hold: 0,
+            });
+        }
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                bail!("--remote-storage {url}: no bucket name");
+            }
+            let mut builder =
+                object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+            if std::env::var("AWS_ENDPOINT_URL").is_ok_and(|e| e.starts_with("http://")) {
+                builder = builder.with_allow_http(true);
+            }
+            let store = builder
+                .build()
+                .with_context(|| format!("--remote-storage {url}"))?;
+            return Ok(RemoteStorage {
+                store: Arc::new(store),
+                prefix: prefix.trim_matches('/').to_string(),
+                url,
+                local_root: None,
+                read_budget: budget(DEFAULT_REMOTE_READ_BUDGET),
+                max_reader_hold: 0,
+            });
+        }
+        bail!("--remote-storage {url}: unsupported URL (use file:///path or s3://bucket/prefix)")
+    }
+
+    /// A store over `store` (the simulation's in-memory one, say), shown as `url`.
+    pub fn with_store(store: Arc<dyn ObjectStore>, url: &str) -> RemoteStorage {
+        RemoteStorage {
+            store,
+            prefix: String::new(),
+            url: url.to_string(),
+            local_root: None,
+            read_budget: budget(DEFAULT_REMOTE_READ_BUDGET),
+            max_reader_hold: 0,
+        }
+    }
+
+    /// Sets the readers' limits: `--remote-read-budget` bytes of remote reads in progress or
+    /// buffered on the node, and `--max-reader-hold`.
+    pub fn with_reader_limits(mut self, read_budget: u64, max_reader_hold: u64) -> RemoteStorage {
+        self.read_budget = budget(read_budget.max(REMOTE_READ_RANGE));
+        self.max_reader_hold = max_reader_hold;
+        self
+    }
+
+    /// `--max-reader-hold` (0: readers hold no local WAL).
+    pub fn max_reader_hold(&self) -> u64 {
+        self.max_reader_hold
+    }
+
+    /// Whether segment `segno` of `ttid` is stored (a HEAD request: nothing is downloaded).
+    pub async fn has_segment(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        seg_size: u64,
+    ) -> anyhow::Result<bool> {
+        let path = self.object(ttid, segno, seg_size);
+        match self.store.head(&path).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("probing {path}")),
+        }
+    }
+
+    /// Bytes `range` of stored segment `segno`, read once the node's read budget has room
+    /// for them (the permit is returned with the bytes: the budget counts them while they are
+    /// buffered); `None` if the segment is not stored.
+    pub async fn read_range(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        seg_size: u64,
+        range: std::ops::Range<u64>,
+    ) -> anyhow::Result<Option<(Bytes, BudgetPermit)>> {
+        let kib = range.end.saturating_sub(range.start).div_ceil(1024).max(1) as u32;
+        let permit = self
+            .read_budget
+            .clone()
+            .acquire_many_owned(kib)
+            .await
+            .context("remote read budget")?;
+        let permit = BudgetPermit::new(permit, u64::from(kib) * 1024);
+        let path = self.object(ttid, segno, seg_size);
+        match self.store.get_range(&path, range.clone()).await {
+            Ok(b) => {
+                metrics::REMOTE_READ_BYTES.inc_by(b.len() as u64);
+                Ok(Some((b, permit)))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {path} {range:?}")),
+        }
+    }
+
+    /// Deletes every object of a timeline (`Some`) or of a whole tenant (`None`): what a
+    /// delete of it leaves to do in the store. Returns how many objects it deleted. Deleting
+    /// what is already gone succeeds.
+    pub async fn delete_objects(
+        &self,
+        tenant_id: &sk_core::types::TenantId,
+        timeline_id: Option<&sk_core::types::TimelineId>,
+    ) -> anyhow::Result<usize> {
+        let key = match timeline_id {
+            Some(t) => format!("{tenant_id}/{t}"),
+            None => tenant_id.to_string(),
+        };
+        let key = if self.prefix.is_empty() {
+            key
+        } else {
+            format!("{}/{key}", self.prefix)
+        };
+        let prefix = ObjPath::from(key);
+        let mut n = 0;
+        let mut list = self.store.list(Some(&prefix));
+        let mut paths = Vec::new();
+        while let Some(meta) = list.next().await {
+            paths.push(
+                meta.with_context(|| format!("listing {}/{prefix}", self.url))?
+                    .location,
+            );
+        }
+        drop(list);
+        for path in paths {
+            match self.store.delete(&path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => n += 1,
+                Err(e) => return Err(e).with_context(|| format!("deleting {path}")),
+            }
+        }
+        if let Some(root) = self.local_root.clone() {
+            // The removals are durable before the deletion counts as done.
+            let dir = root.join(prefix.as_ref());
+            crate::blocking::spawn(move || {
+                let _ = std::fs::remove_dir_all(&dir);
+                let mut d = dir.parent();
+                while let Some(p) = d {
+                    if let Ok(f) = std::fs::File::open(p) {
+                        let _ = f.sync_all();
+                    }
+                    if p == root {
+                        break;
+                    }
+                    d = p.parent();
+                }
+            })
+            .await
+            .context("fsync task")?;
+        }
+        Ok(n)
+    }
+
+    /// The URL the store was opened with.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn timeline_key(&self, ttid: &TenantTimelineId) -> String {
+        let tl = format!("{}/{}", ttid.tenant_id, ttid.timeline_id);
+        if self.prefix.is_empty() {
+            tl
+        } else {
+            format!("{}/{tl}", self.prefix)
+        }
+    }
+
+    /// Where a timeline's segments are stored, for the status page.
+    pub fn timeline_location(&self, ttid: &TenantTimelineId) -> String {
+        let tl = format!("{}/{}", ttid.tenant_id, ttid.timeline_id);
+        format!("{}/{tl}", self.url)
+    }
+
+    fn object(&self, ttid: &TenantTimelineId, segno: u64, seg_size: u64) -> ObjPath {
+        ObjPath::from(format!(
+            "{}/{}",
+            self.timeline_key(ttid),
+            xlog_file_name(1, segno, seg_size)
+        ))
+    }
+
+    /// The segments stored for `ttid`, with their sizes.
+    pub async fn list_segments(
+        &self,
+        ttid: &TenantTimelineId,
+        seg_size: u64,
+    ) -> anyhow::Result<Vec<(u64, u64)>> {
+        let prefix = ObjPath::from(self.timeline_key(ttid));
+        let mut out = Vec::new();
+        let mut list = self.store.list(Some(&prefix));
+        while let Some(meta) = list.next().await {
+            let meta = meta.with_context(|| format!("listing {}", self.timeline_location(ttid)))?;
+            if let Some(name) = meta.location.filename()
+                && let Some((segno, false)) = parse_xlog_file_name(name, seg_size)
+            {
+                out.push((segno, meta.size));
+            }
+        }
+        out.sort_unstable();
+        Ok(out)
+    }
+
+    /// The stored segment `segno` of `ttid`, or `None` if it is not stored.
+    pub async fn read_segment(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        seg_size: u64,
+    ) -> anyhow::Result<Option<Bytes>> {
+        let path = self.object(ttid, segno, seg_size);
+        match self.store.get(&path).await {
+            Ok(r) => Ok(Some(
+                r.bytes().await.with_context(|| format!("reading {path}"))?,
+            )),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {path}")),
+        }
+    }
+
+    /// Stores segment `segno` of `ttid` (its full image `data`) unless it is already stored, in
+    /// which case the stored object must equal `data` from byte `valid_from` on (the bytes
+    /// before a node's WAL start differ between nodes) and have the same size. `known_stored`
+    /// skips the upload attempt (the remote listing showed the object).
+    pub async fn backup_segment(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        data: Bytes,
+        valid_from: usize,
+        known_stored: bool,
+    ) -> anyhow::Result<Outcome> {
+        let seg_size = data.len() as u64;
+        let path = self.object(ttid, segno, seg_size);
+        let outcome = if known_stored {
+            Outcome::Verified
+        } else {
+            let opts = PutOptions {
+                mode: PutMode::Create,
+                ..PutOptions::default()
+            };
+            match self
+                .store
+                .put_opts(&path, PutPayload::from(data.clone()), opts)
+                .await
+            {
+                Ok(_) => Outcome::Uploaded,
+                Err(object_store::Error::AlreadyExists { .. }) => Outcome::Verified,
+                Err(e) => return Err(e).with_context(|| format!("storing {path}")),
+            }
+        };
+        if outcome == Outcome::Verified {
+            let stored = self
+                .read_segment(ttid, segno, seg_size)
+                .await?
+                .with_context(|| format!("{path} vanished while being verified"))?;
+            verify_stored(&path, &stored, &data, valid_from)?;
+        }
+        self.sync_local(&path).await?;
+        Ok(outcome)
+    }
+
+    /// With `file://`: fsyncs the object's file and every directory from it up to the root.
+    async fn sync_local(&self, path: &ObjPath) -> anyhow::Result<()> {
+        let Some(root) = self.local_root.clone() else {
+            return Ok(());
+        };
+        let file = root.join(path.as_ref());
+        crate::blocking::spawn(move || -> anyhow::Result<()> {
+            std::fs::File::open(&file)
+                .and_then(|f| f.sync_all())
+                .with_context(|| format!("fsync {}", file.display()))?;
+            let mut dir = file.parent();
+            while let Some(d) = dir {
+                std::fs::File::open(d)
+                    .and_then(|f| f.sync_all())
+                    .with_context(|| format!("fsync {}", d.display()))?;
+                if d == root {
+                    break;
+                }
+                dir = d.parent();
+            }
+            Ok(())
+        })
+        .await
+        .context("fsync task")?
+    }
+}
+
+fn budget(bytes: u64) -> Arc<Semaphore> {
+    let kib = (bytes / 1024).clamp(1, u64::from(u32::MAX >> 4)) as usize;
+    Arc::new(Semaphore::new(kib))
+}
+
+/// Bytes of the node's remote read budget held by one reader's buffer (released on drop).
+pub struct BudgetPermit {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    bytes: u64,
+}
+
+impl BudgetPermit {
+    fn new(permit: tokio::sync::OwnedSemaphorePermit, bytes: u64) -> BudgetPermit {
+        metrics::REMOTE_READ_BUFFERED.add(bytes as i64);
+        BudgetPermit {
+            _permit: permit,
+            bytes,
+        }
+    }
+}
+
+impl Drop for BudgetPermit {
+    fn drop(&mut self) {
+        metrics::REMOTE_READ_BUFFERED.sub(self.bytes as i64);
+    }
+}
+
+/// Checks a stored object against the local segment image.
+fn verify_stored(
+    path: &ObjPath,
+    stored: &[u8],
+    local: &[u8],
+    valid_from: usize,
+) -> anyhow::Result<()> {
+    if stored.len() != local.len() {
+        bail!(
+            "{path} is stored with {} bytes, the local segment has {}: not overwritten",
+            stored.len(),
+            local.len()
+        );
+    }
+    let (a, b) = (
+        crc32c::crc32c(&stored[valid_from..]),
+        crc32c::crc32c(&local[valid_from..]),
+    );
+    if a != b {
+        bail!(
+            "{path} differs from the local segment (CRC-32C {a:#010x} stored, {b:#010x} here, \
+             from byte {valid_from}): not overwritten"
+        );
+    }
+    Ok(())
+}
