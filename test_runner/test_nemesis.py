@@ -9,11 +9,13 @@ seeded schedule of faults in between:
   its remote objects are being deleted; its objects are gone before it exists again);
 - one replacement of a node by pull_timeline and a membership switch (`local-cluster
   replace`), onto a node that starts from the backed-up point;
-- status requests in a tight loop on every node all along.
+- status requests in a tight loop on every node all along, and a pg_receivewal reader from the
+  timeline's start (restarted on a live member when its node dies).
 
 At the end: every acknowledged byte identical (by the ledger's SHA-256) on every member, local
-or in the store; every node restarts; the replacement completed; no status request waited more
-than 10 s; RSS bounded. The seed is printed (and named on failure).
+or in the store, and in what the reader received; every node restarts; the replacement
+completed; no status request waited more than 10 s; RSS bounded. The seed is printed (and
+named on failure).
 
 Knobs: NEMESIS_SEEDS (comma-separated, default "1,2"), NEMESIS_STEPS (default 8; the long mode is
 e.g. NEMESIS_STEPS=200 NEMESIS_SEEDS=1,2,3)."""
@@ -32,6 +34,7 @@ import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, lsn_int, wait_until
+from fixtures.tools import require
 from test_crash import check_ledger, ledger
 from test_node_replacement import TL_PATH, Cluster
 from test_wal_lifecycle import BUCKET, S3Store
@@ -45,6 +48,48 @@ TIMELINE2 = "0f" * 16
 def seg_name(segno: int) -> str:
     per = 2**32 // SEG
     return f"{1:08X}{segno // per:08X}{segno % per:08X}"
+
+
+class Reader(threading.Thread):
+    """Real pg_receivewal from the timeline's start (a slot), on a current member, started
+    again whenever its node dies: what it receives below the local WAL comes from the store."""
+
+    def __init__(self, cluster: Cluster, members: list[int], dest):
+        super().__init__(daemon=True)
+        self.cluster, self.members, self.dest = cluster, members, dest
+        self.stop_flag = threading.Event()
+        self.proc: subprocess.Popen | None = None
+        self.runs = 0
+
+    def run(self):
+        exe = require("pg_receivewal", "postgresql-client-15")
+        while not self.stop_flag.is_set():
+            node = self.members[-1]
+            self.proc = subprocess.Popen(
+                [
+                    exe,
+                    "-D",
+                    str(self.dest),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.cluster.sk(node).pg_port),
+                ]
+                + ["-U", "postgres", "--slot", "s1", "--no-loop", "--no-password"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            self.runs += 1
+            while self.proc.poll() is None and not self.stop_flag.is_set():
+                time.sleep(0.1)
+            time.sleep(0.3)
+
+    def stop(self):
+        self.stop_flag.set()
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
+        self.join(timeout=30)
 
 
 class Hammer(threading.Thread):
@@ -119,6 +164,9 @@ def test_nemesis(tmp_path, seed):
     members = [1, 2, 3]
     hammer = Hammer(cluster, [1, 2, 3, 4])
     hammer.start()
+    recv = tmp_path / "recv"
+    recv.mkdir()
+    reader = Reader(cluster, members, recv)
     ack_log = tmp_path / "acks"
     wp_log = open(tmp_path / "walproposer.log", "wb")
     wp = subprocess.Popen(
@@ -130,6 +178,7 @@ def test_nemesis(tmp_path, seed):
         stderr=wp_log,
         env={**os.environ, "RUST_LOG": "info"},
     )
+    reader.start()
     faults: list[str] = []
     replaced = False
     try:
@@ -174,7 +223,7 @@ def test_nemesis(tmp_path, seed):
                 assert (
                     r.returncode == 0
                 ), f"seed {seed}: replace {old} by {new}\n{r.stdout}{r.stderr}"
-                members = [i for i in members if i != old] + [new]
+                members[:] = [i for i in members if i != old] + [new]
                 replaced = True
             wait_until(lambda: wp.poll() is None, "the proposer running")
             time.sleep(rng.uniform(0.2, 1.0))
@@ -184,6 +233,7 @@ def test_nemesis(tmp_path, seed):
         wp_log.close()
     hammer.stop_flag.set()
     hammer.join(timeout=60)
+    reader.stop()
     try:
         max_acked = max(e for e, _ in ledger(ack_log))
         # Everyone up to date and every node restarts.
@@ -204,6 +254,20 @@ def test_nemesis(tmp_path, seed):
             wal = wal_of(cluster, i, store, start, max_acked)
             ranges, checked = check_ledger(lines, wal, start)
             assert ranges > 0, "the ack log carries no digests"
+        # The reader got the WAL from the timeline's start, identical to the members' (complete
+        # segments; committed WAL only, compared up to what the ledger acknowledged).
+        received = sorted(p.name for p in recv.iterdir() if len(p.name) == 24)
+        assert received and received[0] == seg_name(start // SEG), (received[:3], reader.runs)
+        reference = wal_of(cluster, members[0], store, start, max_acked)
+        compared = 0
+        for name in received:
+            segno = int(name[8:16], 16) * (2**32 // SEG) + int(name[16:24], 16)
+            lo, hi = max(segno * SEG, start), min((segno + 1) * SEG, max_acked)
+            if hi > lo:
+                got = (recv / name).read_bytes()[lo - segno * SEG : hi - segno * SEG]
+                assert got == reference[lo - start : hi - start], f"seed {seed}: reader's {name}"
+                compared += hi - lo
+        assert compared > 0
         digest = {
             hashlib.sha256(wal_of(cluster, i, store, start, max_acked)).hexdigest() for i in members
         }
@@ -217,7 +281,8 @@ def test_nemesis(tmp_path, seed):
             assert rss < 400 << 10, f"node {i}: RSS {rss >> 10} MiB"
         print(
             f"seed {seed}: faults {faults}; {max_acked - start} bytes acknowledged, checked on "
-            f"{len(members)} members; {hammer.served} status requests, longest "
+            f"{len(members)} members and {compared} by a reader ({reader.runs} runs); "
+            f"{hammer.served} status requests, longest "
             f"{hammer.longest:.2f} s"
         )
         assert hammer.served > 0
