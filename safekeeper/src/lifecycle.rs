@@ -53,11 +53,9 @@ pub async fn run(timelines: Arc<GlobalTimelines>, settings: Settings, cancel: Ca
     let mut drivers: HashMap<TenantTimelineId, (Arc<Timeline>, tokio::task::JoinHandle<()>)> =
         HashMap::new();
     let mut deleting: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
-    if let Some(b) = &settings.backup {
+    if settings.backup.is_some() {
+        // Every timeline gets the store with its driver, at the first tick (at once).
         timelines.set_remote_storage(true);
-        for tl in timelines.all() {
-            tl.set_remote(b.storage.clone());
-        }
     }
     let mut ticker = crate::ticker::Ticker::new(settings.supervise_every);
     let changed = timelines.changed();
@@ -91,15 +89,13 @@ pub async fn run(timelines: Arc<GlobalTimelines>, settings: Settings, cancel: Ca
                 continue;
             }
             let (storage, tls, name) = (backup.storage.clone(), timelines.clone(), d.name.clone());
-            let job = async move {
+            deleting.insert(name.clone(), tokio::spawn(async move {
                 match storage
                     .delete_objects(&d.tenant_id, d.timeline_id.as_ref())
                     .await
                 {
                     Ok(n) => {
-                        let t = tls.clone();
-                        let name = d.name.clone();
-                        match crate::blocking::spawn(move || t.remote_deletion_done(&name)).await {
+                        match crate::blocking::spawn(move || tls.remote_deletion_done(&name)).await {
                             Ok(Ok(())) => tracing::info!(
                                 target = %d.name,
                                 objects = n,
@@ -119,8 +115,7 @@ pub async fn run(timelines: Arc<GlobalTimelines>, settings: Settings, cancel: Ca
                         );
                     }
                 }
-            };
-            deleting.insert(name, tokio::spawn(job));
+            }));
         }
     }
     for (_, (_, j)) in drivers {
@@ -138,16 +133,8 @@ pub fn observe(tl: &Timeline) -> Observed {
     Observed {
         flush_lsn: tl.positions().flush_lsn,
         wal_start_lsn: tl.wal_start_lsn(),
-        inmem: crate::manager::Lsns {
-            commit_lsn: inmem.commit_lsn,
-            peer_horizon_lsn: inmem.peer_horizon_lsn,
-            backup_lsn: inmem.backup_lsn,
-        },
-        persisted: crate::manager::Lsns {
-            commit_lsn: persisted.commit_lsn,
-            peer_horizon_lsn: persisted.peer_horizon_lsn,
-            backup_lsn: persisted.backup_lsn,
-        },
+        inmem,
+        persisted,
     }
 }
 

@@ -322,14 +322,12 @@ impl ManagerCore {
     }
 
     fn horizon_of(&self, l: &Lsns) -> Lsn {
-        removal_horizon(&HorizonInputs {
-            flush_lsn: self.obs.flush_lsn,
-            commit_lsn: l.commit_lsn,
-            peer_horizon_lsn: l.peer_horizon_lsn,
-            backup_lsn: self.cfg.remote.then_some(l.backup_lsn),
-            oldest_reader: None,
-            wal_keep_size: self.cfg.wal_keep_size,
-        })
+        horizon_of(
+            l,
+            self.obs.flush_lsn,
+            self.cfg.remote,
+            self.cfg.wal_keep_size,
+        )
     }
 
     fn decide(&mut self, out: &mut Vec<Action>) {
@@ -439,6 +437,20 @@ impl ManagerCore {
 
 #[cfg(test)]
 mod sim;
+/// The removal horizon of a timeline whose lazily persisted LSNs are `l` (in memory or as
+/// persisted: the caller chooses, see the module docs), with `flush` its end of WAL, `remote`
+/// whether it is backed up, and `wal_keep_size` bytes kept below `flush`.
+pub fn horizon_of(l: &Lsns, flush: Lsn, remote: bool, wal_keep_size: u64) -> Lsn {
+    removal_horizon(&HorizonInputs {
+        flush_lsn: flush,
+        commit_lsn: l.commit_lsn,
+        peer_horizon_lsn: l.peer_horizon_lsn,
+        backup_lsn: remote.then_some(l.backup_lsn),
+        oldest_reader: None,
+        wal_keep_size,
+    })
+}
+
 /// What a snapshot's start is chosen from (the donor's view at one moment).
 #[derive(Clone, Copy, Debug)]
 pub struct SnapshotInputs {

@@ -429,10 +429,7 @@ impl GlobalTimelines {
             pulling: self.pulling.clone(),
             ttid: *ttid,
         };
-        let nanos = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
+        let nanos = now_nanos();
         let dir = self.datadir.join(TMP_DIR).join(format!(
             "pull_{}_{}_{nanos}",
             ttid.tenant_id, ttid.timeline_id
@@ -783,6 +780,14 @@ fn open_all(
     }
 }
 
+/// Nanoseconds since the epoch: what makes a name under `tmp/` unique.
+fn now_nanos() -> u128 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
 /// Removes directory `dir` durably: renamed into `<datadir>/tmp/` (atomic; its parent's entry
 /// fsynced), then removed (a crash leaves it in `tmp/`, emptied at start-up).
 fn remove_durably(fs: &Fs, datadir: &Path, dir: &Path, no_sync: bool) -> Result<(), TimelineError> {
@@ -790,10 +795,7 @@ fn remove_durably(fs: &Fs, datadir: &Path, dir: &Path, no_sync: bool) -> Result<
     let tmp_dir = datadir.join(TMP_DIR);
     fs.create_dir_all(&tmp_dir)
         .map_err(|e| TimelineError::io(format!("creating {}", tmp_dir.display()), e))?;
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
+    let nanos = now_nanos();
     let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("dir");
     let target = tmp_dir.join(format!("deleting_{name}_{nanos}"));
     fs.rename(dir, &target).map_err(|e| {

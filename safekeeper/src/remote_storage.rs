@@ -186,16 +186,10 @@ impl RemoteStorage {
         tenant_id: &sk_core::types::TenantId,
         timeline_id: Option<&sk_core::types::TimelineId>,
     ) -> anyhow::Result<usize> {
-        let key = match timeline_id {
+        let prefix = ObjPath::from(self.key(match timeline_id {
             Some(t) => format!("{tenant_id}/{t}"),
             None => tenant_id.to_string(),
-        };
-        let key = if self.prefix.is_empty() {
-            key
-        } else {
-            format!("{}/{key}", self.prefix)
-        };
-        let prefix = ObjPath::from(key);
+        }));
         let mut n = 0;
         let mut list = self.store.list(Some(&prefix));
         let mut paths = Vec::new();
@@ -217,15 +211,10 @@ impl RemoteStorage {
             let dir = root.join(prefix.as_ref());
             crate::blocking::spawn(move || {
                 let _ = std::fs::remove_dir_all(&dir);
-                let mut d = dir.parent();
-                while let Some(p) = d {
-                    if let Ok(f) = std::fs::File::open(p) {
-                        let _ = f.sync_all();
-                    }
-                    if p == root {
-                        break;
-                    }
-                    d = p.parent();
+                if let Some(parent) = dir.parent() {
+                    // As before this helper existed: a directory that cannot be synced is
+                    // not an error of the deletion.
+                    let _ = sync_dirs_up_to(&root, parent);
                 }
             })
             .await
@@ -239,13 +228,17 @@ impl RemoteStorage {
         &self.url
     }
 
-    fn timeline_key(&self, ttid: &TenantTimelineId) -> String {
-        let tl = format!("{}/{}", ttid.tenant_id, ttid.timeline_id);
+    /// `key` under the store's prefix.
+    fn key(&self, key: String) -> String {
         if self.prefix.is_empty() {
-            tl
+            key
         } else {
-            format!("{}/{tl}", self.prefix)
+            format!("{}/{key}", self.prefix)
         }
+    }
+
+    fn timeline_key(&self, ttid: &TenantTimelineId) -> String {
+        self.key(format!("{}/{}", ttid.tenant_id, ttid.timeline_id))
     }
 
     /// Where a timeline's segments are stored, for the status page.
@@ -352,21 +345,29 @@ impl RemoteStorage {
             std::fs::File::open(&file)
                 .and_then(|f| f.sync_all())
                 .with_context(|| format!("fsync {}", file.display()))?;
-            let mut dir = file.parent();
-            while let Some(d) = dir {
-                std::fs::File::open(d)
-                    .and_then(|f| f.sync_all())
-                    .with_context(|| format!("fsync {}", d.display()))?;
-                if d == root {
-                    break;
-                }
-                dir = d.parent();
+            match file.parent() {
+                Some(dir) => sync_dirs_up_to(&root, dir),
+                None => Ok(()),
             }
-            Ok(())
         })
         .await
         .context("fsync task")?
     }
+}
+
+/// fsyncs directory `dir` and every one above it up to `root` (a `file://` store's).
+fn sync_dirs_up_to(root: &std::path::Path, dir: &std::path::Path) -> anyhow::Result<()> {
+    let mut d = Some(dir);
+    while let Some(p) = d {
+        std::fs::File::open(p)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("fsync {}", p.display()))?;
+        if p == root {
+            break;
+        }
+        d = p.parent();
+    }
+    Ok(())
 }
 
 fn budget(bytes: u64) -> Arc<Semaphore> {

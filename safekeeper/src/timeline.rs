@@ -6,7 +6,7 @@
 //! ([`crate::blocking`], checked in debug builds). The acceptor lock is a `std::sync::Mutex`
 //! held for one synchronous `process_msg`, which may write and fsync: it is taken only in
 //! blocking sections, never on an async worker. After every acceptor operation the timeline
-//! publishes, under the acceptor lock, a [`View`] of what async code reads (positions, write
+//! publishes, under the acceptor lock, a view of what async code reads (positions, write
 //! LSN, in-memory and persisted state) behind a leaf lock: [`Timeline::status`] and the other
 //! accessors read the view and never wait for an fsync. The readers' holds, the disk-limit
 //! flag and the recovery status are leaf locks too; removal takes only the holds' lock
@@ -17,8 +17,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-
-use crate::blocking::LeafMutex;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -31,10 +29,12 @@ use sk_core::types::{Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory,
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::blocking::LeafMutex;
 use crate::control_file::FileControlStore;
+use crate::manager::Lsns;
 use crate::manager::recovery::{LocalView, RecoveryStatus};
 use crate::remote_storage::RemoteStorage;
-use crate::remove_wal::{HorizonInputs, ReadHold, ReadHolds, removal_horizon};
+use crate::remove_wal::{ReadHold, ReadHolds};
 use crate::wal_store::{OpenFiles, WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
 
 /// Segments are prepared (zero-filled off the ingest path) for timelines whose WAL arrives
@@ -378,17 +378,10 @@ impl Timeline {
             let a = self.lock();
             let state = a.state().clone();
             let flush = a.flush_lsn();
-            let inmem = a.inmem();
+            let inmem = lsns_of(&a.inmem());
             let (term, last_log_term) = (a.term(), a.last_log_term());
             drop(a);
-            let horizon = removal_horizon(&HorizonInputs {
-                flush_lsn: flush,
-                commit_lsn: inmem.commit_lsn,
-                peer_horizon_lsn: inmem.peer_horizon_lsn,
-                backup_lsn: remote.then_some(inmem.backup_lsn),
-                oldest_reader: None,
-                wal_keep_size: 0,
-            });
+            let horizon = crate::manager::horizon_of(&inmem, flush, remote, 0);
             let start = crate::manager::snapshot_start(&crate::manager::SnapshotInputs {
                 seg_size: self.seg_size,
                 wal_start: state.local_start_lsn.max(state.timeline_start_lsn),
@@ -494,22 +487,12 @@ impl Timeline {
 
     /// The whole local segment file `segno` (complete, else `.partial`: a complete segment
     /// keeps that name while the WAL ends exactly at its end), for backup. Blocking.
-    pub fn read_segment_file(&self, segno: u64) -> std::io::Result<Vec<u8>> {
+    pub fn read_segment_file(&self, segno: u64) -> storage::Result<Vec<u8>> {
         crate::blocking::assert_may_block("reading a segment file");
-        let mut last = None;
-        for partial in [false, true] {
-            let path = crate::wal_store::segment_path(&self.dir, segno, self.seg_size, partial);
-            match self.fs.open(&path, sk_core::storage::fs::OpenMode::Read) {
-                Ok(f) => {
-                    let mut buf = vec![0u8; self.seg_size as usize];
-                    let n = sk_core::storage::fs::read_full_at(&*f, &mut buf, 0)?;
-                    buf.truncate(n);
-                    return Ok(buf);
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.expect("tried both names"))
+        let mut buf = vec![0u8; self.seg_size as usize];
+        self.reader
+            .read_into(Lsn(segno * self.seg_size), &mut buf)?;
+        Ok(buf)
     }
 
     /// Whether the segment holding `lsn` exists here.
@@ -557,17 +540,18 @@ impl Timeline {
     }
 
     /// Complete segments below this are in remote storage (in memory; see
-    /// [`Timeline::persisted`] for what the control file holds).
+    /// [`Timeline::lsns`] for what the control file holds).
     pub fn backup_lsn(&self) -> Lsn {
         self.view.lock().inmem.backup_lsn
     }
 
-    /// The LSNs the timeline manager decides from: in memory and as persisted.
-    pub fn lsns(&self) -> (InMemoryState, PersistedLsns) {
+    /// The LSNs the timeline manager decides from: in memory, and as the control file holds
+    /// them (what removal may go by).
+    pub fn lsns(&self) -> (Lsns, Lsns) {
         let v = self.view.lock();
         (
-            v.inmem,
-            PersistedLsns {
+            lsns_of(&v.inmem),
+            Lsns {
                 commit_lsn: v.state.commit_lsn,
                 peer_horizon_lsn: v.state.peer_horizon_lsn,
                 backup_lsn: v.state.backup_lsn,
@@ -623,14 +607,12 @@ impl Timeline {
     /// way ([`crate::manager`]) and calls [`Timeline::remove_segments_below`].
     pub fn remove_old_wal(&self, wal_keep_size: u64) -> storage::Result<usize> {
         let (_, persisted) = self.lsns();
-        let horizon = removal_horizon(&HorizonInputs {
-            flush_lsn: self.positions().flush_lsn,
-            commit_lsn: persisted.commit_lsn,
-            peer_horizon_lsn: persisted.peer_horizon_lsn,
-            backup_lsn: self.remote().is_some().then_some(persisted.backup_lsn),
-            oldest_reader: None,
+        let horizon = crate::manager::horizon_of(
+            &persisted,
+            self.positions().flush_lsn,
+            self.remote().is_some(),
             wal_keep_size,
-        });
+        );
         self.remove_segments_below(horizon)
     }
 
@@ -786,15 +768,13 @@ impl View {
     }
 }
 
-/// The lazily persisted LSNs as the control file holds them: what removal may go by.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PersistedLsns {
-    /// Persisted commit LSN (start-up searches the end of WAL from it).
-    pub commit_lsn: Lsn,
-    /// Persisted peers' horizon.
-    pub peer_horizon_lsn: Lsn,
-    /// Persisted backup LSN (a restarted node backs up from it).
-    pub backup_lsn: Lsn,
+/// The lazily persisted LSNs among the acceptor's in-memory ones.
+fn lsns_of(m: &InMemoryState) -> Lsns {
+    Lsns {
+        commit_lsn: m.commit_lsn,
+        peer_horizon_lsn: m.peer_horizon_lsn,
+        backup_lsn: m.backup_lsn,
+    }
 }
 
 /// Where a snapshot starts: see [`Timeline::snapshot_point`].
