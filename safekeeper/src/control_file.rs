@@ -348,7 +348,7 @@ impl FileControlStore {
             // whose directory fsync never ran): make it durable before anything acts on it or
             // reveals it (a vote already given in the term it holds, say).
             fsync_or_abort(&*f, &path, SyncKind::All);
-            fsync_dir(&fs, &dir);
+            fsync_dir(&fs, &dir)?;
         }
         Ok(FileControlStore {
             fs,

@@ -457,7 +457,7 @@ fn receive(
     control_file::FileControlStore::create_new_in(fs.clone(), tmp, state, no_sync)
         .map_err(TimelineError::from)?;
     if !no_sync {
-        fsync_dir(fs, tmp);
+        fsync_dir(fs, tmp).map_err(TimelineError::from)?;
     }
     Ok((start, flush))
 }

@@ -547,9 +547,9 @@ impl GlobalTimelines {
                 .insert(name.to_string());
         }
         if !self.no_sync {
-            fsync_dir(fs, &dir);
+            fsync_dir(fs, &dir)?;
             if new_dir {
-                fsync_dir(fs, &self.datadir);
+                fsync_dir(fs, &self.datadir)?;
             }
         }
         self.tombstones
@@ -575,7 +575,7 @@ impl GlobalTimelines {
             .remove_file(&path)
             .map_err(|e| TimelineError::io(format!("removing {}", path.display()), e))?;
         if !self.no_sync {
-            fsync_dir(&self.fs, &dir);
+            fsync_dir(&self.fs, &dir)?;
         }
         self.tombstones
             .lock()
@@ -672,7 +672,7 @@ impl GlobalTimelines {
         }
         FileControlStore::create_new_in(fs.clone(), &tmp, state, self.no_sync)?;
         if !self.no_sync {
-            fsync_dir(fs, &tmp);
+            fsync_dir(fs, &tmp)?;
         }
         let dir = self.rename_into_place(&tmp, ttid)?;
         Timeline::open(fs, &dir, self.node_id, self.no_sync, &self.open_files)
@@ -700,9 +700,9 @@ impl GlobalTimelines {
             )
         })?;
         if !self.no_sync {
-            fsync_dir(fs, &tenant_dir);
+            fsync_dir(fs, &tenant_dir)?;
             if new_tenant {
-                fsync_dir(fs, &self.datadir);
+                fsync_dir(fs, &self.datadir)?;
             }
         }
         Ok(dir)
@@ -805,7 +805,7 @@ fn remove_durably(fs: &Fs, datadir: &Path, dir: &Path, no_sync: bool) -> Result<
         )
     })?;
     if !no_sync {
-        fsync_dir(fs, parent);
+        fsync_dir(fs, parent)?;
     }
     fs.remove_dir_all(&target)
         .map_err(|e| TimelineError::io(format!("removing {}", target.display()), e))

@@ -181,7 +181,7 @@ pub fn remove_segments_below(
             .map_err(|e| Error::io(format!("removing {}", path.display()), e))?;
     }
     if !segs.is_empty() && !no_sync {
-        fsync_dir(fs, dir);
+        fsync_dir(fs, dir)?;
     }
     Ok(segs.len())
 }
@@ -676,7 +676,7 @@ impl WalStore for WalFileStore {
         }
         // 4. Make the deletions and renames durable.
         if !self.opts.no_sync {
-            fsync_dir(&fs, &self.dir);
+            fsync_dir(&fs, &self.dir)?;
         }
         self.pending_truncation = false;
         Ok(())

@@ -229,7 +229,7 @@ pub fn sync_recovered_wal(fs: &Fs, dir: &Path, seg_size: u64, from: Lsn, end: Ls
             fsync_or_abort(&*f, &path, SyncKind::All);
         }
     }
-    fsync_dir(fs, dir);
+    fsync_dir(fs, dir)?;
     Ok(())
 }
 

@@ -31,8 +31,28 @@ fn check_or_abort(res: std::io::Result<()>, path: &Path) {
 }
 
 /// Makes the entries of directory `dir` (creations, renames, deletions) durable, or aborts.
-pub fn fsync_dir(fs: &Fs, dir: &Path) {
-    check_or_abort(fs.sync_dir(dir), dir);
+///
+/// A directory that is gone (renamed or removed by a concurrent delete of its timeline) is an
+/// error, not a reason to abort: nothing in it is there to be made durable, and the caller's
+/// operation fails. Opening the directory is the only step that can report it: fsync itself
+/// never returns `ENOENT` or `ENOTDIR`, so every other failure still aborts.
+pub fn fsync_dir(fs: &Fs, dir: &Path) -> super::Result<()> {
+    match fs.sync_dir(dir) {
+        Err(e) if gone(&e) && !crate::failpoint::active("wal-fsync-error") => Err(
+            super::Error::io(format!("syncing directory {}", dir.display()), e),
+        ),
+        res => {
+            check_or_abort(res, dir);
+            Ok(())
+        }
+    }
+}
+
+fn gone(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+    )
 }
 
 /// Renames `from` to `to` (both in `dir`) and, unless `no_sync`, makes the rename durable by
@@ -51,7 +71,72 @@ pub fn durable_rename(
         )
     })?;
     if !no_sync {
-        fsync_dir(fs, dir);
+        fsync_dir(fs, dir)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    use super::*;
+
+    /// Set in the child process [`a_failed_fsync_aborts_the_process`] starts.
+    const CHILD: &str = "SK_CORE_DURABLE_TEST_CHILD";
+
+    /// The child's body: syncs a directory whose fsync fails (procfs answers EINVAL). Does
+    /// nothing unless started by [`a_failed_fsync_aborts_the_process`].
+    #[test]
+    fn child_syncs_a_directory_whose_fsync_fails() {
+        if std::env::var_os(CHILD).is_none() {
+            return;
+        }
+        let res = fsync_dir(&Fs::real(), Path::new("/proc/self"));
+        // Not reached when the abort works.
+        println!("fsync_dir returned {res:?}");
+        std::process::exit(0);
+    }
+
+    #[test]
+    fn a_failed_fsync_aborts_the_process() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "storage::durable::tests::child_syncs_a_directory_whose_fsync_fails",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGABRT),
+            "{:?}\nstdout: {}\nstderr: {stderr}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(
+            stderr.contains("FATAL: fsync of /proc/self failed"),
+            "{stderr}"
+        );
+    }
+
+    #[test]
+    fn syncing_a_directory_that_is_gone_is_an_error_not_an_abort() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fs = Fs::real();
+        let gone = tmp.path().join("timeline");
+        assert!(matches!(
+            fsync_dir(&fs, &gone),
+            Err(crate::storage::Error::Io { ref source, .. }) if source.kind() == std::io::ErrorKind::NotFound
+        ));
+        // A file where the directory was (ENOTDIR on a path through it).
+        std::fs::write(&gone, b"x").unwrap();
+        assert!(fsync_dir(&fs, &gone.join("sub")).is_err());
+        // A directory that exists syncs.
+        fsync_dir(&fs, tmp.path()).unwrap();
+    }
 }
