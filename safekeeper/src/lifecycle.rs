@@ -7,8 +7,9 @@
 //! ([`crate::manager`]). What this module guarantees is the order of effects:
 //!
 //! - every action that may block (the acceptor lock, file I/O) runs in a blocking section;
-//! - a deleted timeline's driver aborts its actions in flight and waits for them to end before
-//!   it finishes; only then are its remote objects deleted, and only after that is a timeline
+//! - a deleted timeline's driver lets its actions in flight end (it never aborts them: an
+//!   aborted upload's request can still land after the deletion listed the store) before it
+//!   finishes; only then are its remote objects deleted, and only after that is a timeline
 //!   with the same ids allowed again (the registry refuses one while its deletion is pending,
 //!   see [`GlobalTimelines::pending_remote_deletions`]), so a recreated timeline never sees the
 //!   old one's WAL, objects or horizon;
@@ -167,7 +168,10 @@ pub async fn drive(tl: Arc<Timeline>, settings: Settings, cancel: CancellationTo
             for action in std::mem::take(&mut pending) {
                 match action {
                     Action::Stop => {
-                        inflight.abort_all();
+                        // Wait, never abort: an upload aborted here may still land in the
+                        // store after the remote deletion listed it (its request was sent),
+                        // leaving an object of a deleted timeline behind. Each action ends by
+                        // itself (the store client's retries and timeouts are bounded).
                         while inflight.join_next().await.is_some() {}
                         fallback.clear();
                         pending.extend(core.step(Event::Stopped));
