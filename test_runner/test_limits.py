@@ -232,18 +232,22 @@ def test_http_requests_over_a_class_limit_get_503_and_other_classes_are_unaffect
     safekeeper_factory,
 ):
     sk = safekeeper_factory(extra_args=["--http-max-concurrent-requests", "1"]).start()
+    held: list[requests.Response] = []
     slow = threading.Thread(
-        target=lambda: requests.get(f"{sk.http}/profile/cpu?seconds=6", timeout=30)
+        target=lambda: held.append(requests.get(f"{sk.http}/profile/cpu?seconds=12", timeout=60))
     )
     slow.start()
     try:
         # The profile holds the only slot of its class: status is shed with 503...
         def shed() -> str | None:
+            # The slot's holder must still hold it: a profile that ended (or failed) early
+            # would make this wait for a 503 that cannot come.
+            assert not held, (held[0].status_code, held[0].text[:500])
             r = requests.get(f"{sk.http}/v1/status", timeout=5)
             return r.text if r.status_code == 503 else None
 
-        # (Up to 5 s: on a loaded machine the profile may take a while to take its slot.)
-        text = wait_until(shed, "the status route to be shed", timeout=5)
+        # (Up to 10 s: on a loaded machine the profile may take a while to take its slot.)
+        text = wait_until(shed, "the status route to be shed", timeout=10)
         assert "--http-max-concurrent-requests" in text
         # ...while the data class has its own slot.
         assert requests.get(f"{sk.http}/v1/timelines", timeout=5).status_code == 200

@@ -440,11 +440,13 @@ def test_outage_removes_nothing_unbacked_and_the_backlog_uploads_on_return(
 @pytest.mark.promise(12)
 def test_kill9_during_uploads_leaves_no_torn_lost_or_doubled_object(safekeeper_factory, store):
     sks = start_sks(safekeeper_factory, store, [1 << 40, 1 << 40, 1 << 40])
-    # 32 MiB in ~4 s: the kills below land while WAL streams and segments upload.
-    proposer = push_in_background(sks, "32M", stderr=subprocess.DEVNULL, rate="8M")
-    # Kill nodes while they upload, restart them.
+    # 48 MiB in ~12 s: the kills below land while WAL streams and segments upload (a kill and
+    # restart takes seconds on a loaded machine; 4 s of push once ended before the second).
+    proposer = push_in_background(sks, "48M", stderr=subprocess.DEVNULL, rate="4M")
+    # Kill nodes while they upload, restart them: each kill after uploads made progress.
     for victim in (sks[0], sks[1]):
-        wait_until(lambda: len(store.objects()) >= 2, "uploads to start", timeout=60)
+        seen = len(store.objects())
+        wait_until(lambda seen=seen: len(store.objects()) >= seen + 2, "uploads", timeout=60)
         assert proposer.poll() is None, "the push ended before the kill"
         victim.kill()
         victim.start()
