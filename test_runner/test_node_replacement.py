@@ -6,9 +6,7 @@ timeline that a late proposer cannot recreate."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -24,6 +22,7 @@ from fixtures.daemon import (
     TENANT,
     TIMELINE,
     fmt_lsn,
+    free_base,
     lsn_int,
     max_acked,
     read_wal,
@@ -35,22 +34,6 @@ from fixtures.tools import before, receivewal
 
 SCRIPT = REPO / "scripts" / "local-cluster"
 TL_PATH = f"/v1/tenant/{TENANT}/timeline/{TIMELINE}"
-
-
-def free_base(n: int) -> int:
-    """A port base such that base+1..base+n are free, below the kernel's ephemeral range
-    (`ip_local_port_range`, 32768-60999 by default): a node started late in a long run (the
-    nemesis' replacement) once found its port taken by some client's ephemeral port."""
-    for _ in range(200):
-        base = random.randrange(10000, 32000)
-        try:
-            for i in range(1, n + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 class Cluster:
