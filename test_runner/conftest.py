@@ -38,8 +38,8 @@ def pg_factory():
     """Makes PostgreSQL clusters (`PgCluster(name)`), all stopped and removed at the end."""
     clusters: list[PgCluster] = []
 
-    def make(name: str) -> PgCluster:
-        c = PgCluster(name)
+    def make(name: str, major: int = 15) -> PgCluster:
+        c = PgCluster(name, major)
         clusters.append(c)
         return c
 

@@ -70,9 +70,9 @@ impl From<TimelineError> for ApiError {
             TimelineError::NotFound(ttid) => {
                 ApiError::NotFound(format!("timeline {ttid} not found"))
             }
-            TimelineError::BadSegmentSize(_) | TimelineError::BadRequest(_) => {
-                ApiError::BadRequest(e.to_string())
-            }
+            TimelineError::BadSegmentSize(_)
+            | TimelineError::UnsupportedVersion(_)
+            | TimelineError::BadRequest(_) => ApiError::BadRequest(e.to_string()),
             TimelineError::Deleted(_) => ApiError::NotFound(e.to_string()),
             TimelineError::Exists(_) | TimelineError::BeingDeleted(_) => {
                 ApiError::Conflict(e.to_string())

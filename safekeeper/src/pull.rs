@@ -371,6 +371,8 @@ fn receive(
     if !pg_wal::format::is_valid_seg_size(seg_size) {
         return Err(peer(format!("invalid segment size {seg_size}")));
     }
+    let major = pg_wal::PgMajor::from_server_version(state.server.pg_version)
+        .map_err(|e| peer(format!("the snapshot's timeline: {e}")))?;
 
     let mut seg: Option<(u64, Box<dyn FileHandle>)> = None;
     let mut pos = start;
@@ -451,7 +453,7 @@ fn receive(
         sync(f.as_ref(), no_sync)?;
     }
     // The WAL decodes, record by record, up to the snapshot's end.
-    verify_committed_wal(fs, tmp, seg_size, start, flush)
+    verify_committed_wal(fs, tmp, seg_size, major, start, flush)
         .map_err(|e| peer(format!("the pulled WAL does not verify: {e}")))?;
     state.local_start_lsn = start;
     control_file::FileControlStore::create_new_in(fs.clone(), tmp, state, no_sync)

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::SystemTime;
 
+use pg_wal::PgMajor;
 use pg_wal::format::is_valid_seg_size;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
@@ -302,7 +303,16 @@ impl GlobalTimelines {
         self.map.lock().expect("timelines lock").get(ttid).cloned()
     }
 
-    /// Every timeline, ordered by id.
+    /// The node's timeline if it has exactly one (what a reader naming none is served).
+    pub fn only_one(&self) -> Option<Arc<Timeline>> {
+        let map = self.map.lock().expect("timelines lock");
+        match map.len() {
+            1 => map.values().next().cloned(),
+            _ => None,
+        }
+    }
+
+    /// Every timeline, in id order.
     pub fn all(&self) -> Vec<Arc<Timeline>> {
         let mut v: Vec<_> = self
             .map
@@ -332,6 +342,7 @@ impl GlobalTimelines {
         if !is_valid_seg_size(greeting.wal_seg_size as u64) {
             return Err(TimelineError::BadSegmentSize(greeting.wal_seg_size));
         }
+        PgMajor::from_server_version(greeting.pg_version)?;
         let _creating = self.create_lock.lock().expect("create lock");
         if let Some(tl) = self.get(&ttid) {
             return Ok(tl);
@@ -373,6 +384,7 @@ impl GlobalTimelines {
         if !is_valid_seg_size(req.server.wal_seg_size as u64) {
             return Err(TimelineError::BadSegmentSize(req.server.wal_seg_size));
         }
+        PgMajor::from_server_version(req.server.pg_version)?;
         req.mconf.validate().map_err(TimelineError::BadRequest)?;
         let _creating = self.create_lock.lock().expect("create lock");
         if self.get(&req.ttid).is_some() {
@@ -994,7 +1006,7 @@ mod tests {
     }
 
     #[test]
-    fn invalid_segment_size_is_refused_before_touching_the_disk() {
+    fn invalid_segment_size_or_version_is_refused_before_touching_the_disk() {
         let (_sim, fs, timelines) = node();
         let g = ProposerGreeting {
             wal_seg_size: 3 << 20,
@@ -1004,6 +1016,19 @@ mod tests {
             timelines.get_or_create(&g, true),
             Err(TimelineError::BadSegmentSize(_))
         ));
+        assert!(fs.list_dir(Path::new(DATADIR)).unwrap().is_empty());
+        for pg_version in [0, 130020, 190000] {
+            let g = ProposerGreeting {
+                pg_version,
+                ..greeting(1)
+            };
+            let e = match timelines.get_or_create(&g, true) {
+                Ok(_) => panic!("PostgreSQL {pg_version}: a timeline was created"),
+                Err(e) => e,
+            };
+            assert!(matches!(e, TimelineError::UnsupportedVersion(_)), "{e}");
+            assert!(e.to_string().contains("14 to 18"), "{e}");
+        }
         assert!(fs.list_dir(Path::new(DATADIR)).unwrap().is_empty());
     }
 

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use pg_wal::PgMajor;
 use serde::Serialize;
 use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
 use sk_core::safekeeper::{InMemoryState, SafeKeeper, SafeKeeperError};
@@ -194,6 +195,12 @@ impl Timeline {
     ) -> Result<Timeline, TimelineError> {
         let control = FileControlStore::load_in(fs.clone(), dir, no_sync)?;
         let seg_size = control.server.wal_seg_size as u64;
+        let major = PgMajor::from_server_version(control.server.pg_version).map_err(|e| {
+            TimelineError::Storage(storage::Error::Corruption {
+                file: dir.display().to_string(),
+                reason: format!("the control file's server: {e}"),
+            })
+        })?;
         let wal = WalFileStore::open(
             dir,
             seg_size,
@@ -201,6 +208,7 @@ impl Timeline {
             WalFileOptions {
                 no_sync,
                 system_id: control.server.system_id,
+                major,
                 wal_start_lsn: control.local_start_lsn,
                 zero_fill: false,
                 prepare_below_rate: PREPARE_SEGMENTS_BELOW_RATE,
@@ -219,7 +227,7 @@ impl Timeline {
             Some(n) if Lsn(n * seg_size) > control.local_start_lsn => Lsn(n * seg_size),
             _ => control.local_start_lsn,
         };
-        verify_committed_wal(fs, dir, seg_size, verify_from, control.commit_lsn)?;
+        verify_committed_wal(fs, dir, seg_size, major, verify_from, control.commit_lsn)?;
         let reader = wal.reader();
         let acceptor =
             SafeKeeper::new(node_id, control, wal).map_err(|source| TimelineError::Acceptor {
@@ -503,6 +511,11 @@ impl Timeline {
     /// PostgreSQL system identifier of the timeline.
     pub fn system_id(&self) -> u64 {
         self.view.lock().state.server.system_id
+    }
+
+    /// `server_version_num` of the timeline's primary (e.g. 170010).
+    pub fn pg_version(&self) -> u32 {
+        self.view.lock().state.server.pg_version
     }
 
     /// The oldest LSN a reader can start at: the start of the segment holding the first WAL
@@ -877,6 +890,9 @@ pub enum TimelineError {
     /// A greeting asked for a segment size PostgreSQL does not support.
     #[error("invalid WAL segment size {0}: must be a power of two from 1 MiB to 1 GiB")]
     BadSegmentSize(u32),
+    /// A greeting or create request of a PostgreSQL version whose WAL is not supported.
+    #[error(transparent)]
+    UnsupportedVersion(#[from] pg_wal::UnsupportedVersion),
     /// Storage failed: stored data that fails verification (the timeline refuses to start), a
     /// full disk, another I/O error, or a request the stored state refuses.
     #[error(transparent)]
@@ -912,6 +928,7 @@ impl TimelineError {
             | TimelineError::BeingDeleted(_)
             | TimelineError::BadRequest(_)
             | TimelineError::BadSegmentSize(_)
+            | TimelineError::UnsupportedVersion(_)
             | TimelineError::Storage(
                 storage::Error::Corruption { .. }
                 | storage::Error::WalCorruption { .. }

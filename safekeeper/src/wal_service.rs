@@ -163,8 +163,12 @@ async fn handle_connection(
             )
         })
     };
+    let server = ServerConfig {
+        version_for: Some(timeline_version(timelines.clone())),
+        ..conf.server.clone()
+    };
     let handshake = async {
-        let mut conn = negotiate_tls(stream, conf).await?;
+        let mut conn = negotiate_tls(stream, conf, server).await?;
         let (params, claims, slot) = match &conf.auth {
             None => conn.handshake_then(slot).await.map(|(p, s)| (p, None, s))?,
             Some(auth) => conn
@@ -461,8 +465,9 @@ where
 async fn negotiate_tls(
     stream: IdleTimeout<Socket>,
     conf: &WalServiceConf,
+    server: ServerConfig,
 ) -> Result<ServerConn<ConnStream>, PqError> {
-    let mut conn = ServerConn::new(stream, conf.server.clone());
+    let mut conn = ServerConn::new(stream, server.clone());
     let Some(tls) = &conf.tls else {
         return Ok(conn.map_stream(MaybeTls::Plain));
     };
@@ -476,10 +481,27 @@ async fn negotiate_tls(
     }
     let transport = BufReader::with_capacity(TLS_READ_BUFFER, conn.into_inner());
     let tls_stream = tls.acceptor().accept(transport).await?;
-    Ok(ServerConn::new(
-        MaybeTls::Tls(Box::new(tls_stream)),
-        conf.server.clone(),
-    ))
+    Ok(ServerConn::new(MaybeTls::Tls(Box::new(tls_stream)), server))
+}
+
+/// The `server_version` a client is told: its timeline's PostgreSQL version (`17.10`), so a
+/// reader of a PostgreSQL 17 timeline sees a PostgreSQL 17 server, as from the primary. A
+/// connection naming no timeline is served the node's only one (as [`resolve`] does); one whose
+/// timeline does not exist (yet), or that names none on a node of several, gets the default.
+fn timeline_version(timelines: Arc<GlobalTimelines>) -> pq_proto::server::VersionFor {
+    Arc::new(move |params| {
+        let o = parse_options(params.get("options").unwrap_or("")).ok()?;
+        let tl = match (o.tenant_id, o.timeline_id) {
+            (Some(tenant_id), Some(timeline_id)) => timelines.get(&TenantTimelineId {
+                tenant_id,
+                timeline_id,
+            })?,
+            _ => timelines.only_one()?,
+        };
+        let v = tl.pg_version();
+        pg_wal::PgMajor::from_server_version(v).ok()?;
+        Some(format!("{}.{} (mini-safekeeper)", v / 10000, v % 10000))
+    })
 }
 
 /// Checks the password of a connection as a JWT: valid, and, when the startup options name a

@@ -183,7 +183,8 @@ fn pg_waldump_accepts_generated_wal_with_16mib_segments_from_a_mid_segment_start
     let dir = tempfile::tempdir().unwrap();
     // Mid-segment, mid-page start: the segment prefix comes from first_segment_image.
     let start = Lsn(0x1_2000_0000 + 3 * 8192 + 0x1A0);
-    let mut bytes = first_segment_image(0x7351_2345_6789_abcd, seg, start).unwrap();
+    let mut bytes =
+        first_segment_image(pg_wal::PgMajor::V15, 0x7351_2345_6789_abcd, seg, start).unwrap();
     let seg_start = start.segment_start(seg);
     let sizes = sizes(&mut rng, 200, 17 << 20);
     let (pos, end) = generate(seg, start, &sizes, &mut bytes);

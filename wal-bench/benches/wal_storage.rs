@@ -69,7 +69,7 @@ fn decode(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(wal.len() as u64));
         g.bench_function(format!("msg={msg}"), |b| {
             b.iter(|| {
-                let mut d = WalStreamDecoder::new(start, 16 << 20);
+                let mut d = WalStreamDecoder::new(start, 16 << 20, pg_wal::PgMajor::V15);
                 for chunk in wal.chunks(128 * KIB) {
                     d.feed(chunk).expect("generated WAL decodes");
                 }

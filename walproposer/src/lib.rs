@@ -455,6 +455,12 @@ impl Proposer {
         self.shared.cfg.system_id
     }
 
+    /// The PostgreSQL major version of the timeline's WAL (from `pg_version`).
+    pub fn pg_major(&self) -> Result<pg_wal::PgMajor, ProposerError> {
+        pg_wal::PgMajor::from_server_version(self.shared.cfg.pg_version)
+            .map_err(|e| ProposerError::Recovery(e.to_string()))
+    }
+
     /// The current progress.
     pub fn progress(&self) -> Progress {
         *self.shared.progress.borrow()
@@ -558,11 +564,12 @@ impl Proposer {
             return Ok(Lsn(0));
         };
         let seg = self.shared.cfg.wal_seg_size as u64;
+        let major = self.pg_major()?;
         let mut back = XLOG_BLCKSZ;
         loop {
             let from = known.max(Lsn(end.0.saturating_sub(back)).page_start());
             let tail = self.read_wal(from, end).await?;
-            let mut dec = WalStreamDecoder::new(from, seg);
+            let mut dec = WalStreamDecoder::new(from, seg, major);
             let mut last_end = from;
             dec.feed_with(&tail, |e| last_end = e)
                 .map_err(|e| ProposerError::Recovery(format!("decoding WAL before {end}: {e}")))?;

@@ -3,9 +3,10 @@
 //!
 //! Order of operations (see `reference/postgres-replication.md` §3 and §6):
 //! 1. [`Primary::connect`]: a replication connection; `IDENTIFY_SYSTEM` (system id, timeline 1
-//!    only, current end of WAL), `SHOW wal_segment_size`, `SHOW server_version_num`, and the
-//!    physical slot (read with `READ_REPLICATION_SLOT`, created with `RESERVE_WAL` if missing) so
-//!    the primary keeps WAL the safekeepers have not committed yet;
+//!    only, current end of WAL), `SHOW wal_segment_size`, `SHOW server_version_num` (14 to 18),
+//!    and the physical slot (read with `READ_REPLICATION_SLOT`, or from `pg_replication_slots`
+//!    over a plain connection on PostgreSQL 14, which lacks that command; created with
+//!    `RESERVE_WAL` if missing) so the primary keeps WAL the safekeepers have not committed yet;
 //! 2. the caller elects a proposer with [`Primary::proposer_config`]: the primary's system id,
 //!    version and segment size, and `start_lsn` = [`Primary::empty_start_lsn`] (the start of the
 //!    segment holding the slot's `restart_lsn`), where WAL begins if every safekeeper is empty;
@@ -59,6 +60,9 @@ pub enum SourceError {
         /// What was wrong.
         detail: String,
     },
+    /// The primary runs a PostgreSQL version whose WAL the safekeepers do not support.
+    #[error("primary: {0}")]
+    Unsupported(#[from] pg_wal::UnsupportedVersion),
     /// The primary is past a timeline switch.
     #[error("primary is on timeline {0}; only timeline 1 is supported")]
     Timeline(u32),
@@ -109,8 +113,8 @@ impl From<PqError> for SourceError {
     }
 }
 
-/// The parts of a libpq `key=value` connection string we use. `dbname` and unknown keys are
-/// ignored; values may be single-quoted with `\'` and `\\` escapes.
+/// The parts of a libpq `key=value` connection string we use. Unknown keys are ignored; values
+/// may be single-quoted with `\'` and `\\` escapes.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ConnInfo {
     /// `host` (default `localhost`).
@@ -123,6 +127,9 @@ pub struct ConnInfo {
     pub password: Option<String>,
     /// `application_name` (what the primary's `pg_stat_replication` shows).
     pub application_name: String,
+    /// `dbname`: only PostgreSQL 14 needs one, for the plain connection that reads the slot
+    /// (its walsender has no `READ_REPLICATION_SLOT`); the user name when absent, as in libpq.
+    pub dbname: Option<String>,
 }
 
 impl std::fmt::Debug for ConnInfo {
@@ -133,6 +140,7 @@ impl std::fmt::Debug for ConnInfo {
             .field("user", &self.user)
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("application_name", &self.application_name)
+            .field("dbname", &self.dbname)
             .finish()
     }
 }
@@ -145,6 +153,7 @@ impl Default for ConnInfo {
             user: "postgres".into(),
             password: None,
             application_name: "walproposer".into(),
+            dbname: None,
         }
     }
 }
@@ -220,8 +229,9 @@ impl FromStr for ConnInfo {
                 "user" => info.user = value,
                 "password" => info.password = Some(value),
                 "application_name" => info.application_name = value,
+                "dbname" => info.dbname = Some(value),
                 "" => return Err(bad("empty key".into())),
-                _ => {} // dbname, sslmode, ...: not used by a physical replication client.
+                _ => {} // sslmode, ...: not used by a physical replication client.
             }
         }
         if info.host.starts_with('/') {
@@ -238,6 +248,14 @@ impl ConnInfo {
         let mut c = ClientConfig::new(self.host.clone(), self.port, self.user.clone());
         c.password = self.password.clone();
         c.application_name = Some(self.application_name.clone());
+        c
+    }
+
+    /// A plain SQL connection to the same server (`dbname`).
+    fn sql_config(&self) -> ClientConfig {
+        let mut c = self.client_config();
+        c.replication = false;
+        c.database = self.dbname.clone();
         c
     }
 }
@@ -412,8 +430,12 @@ impl Primary {
             query: SHOW_VER,
             detail: format!("invalid version {ver:?}"),
         })?;
+        let major = pg_wal::PgMajor::from_server_version(pg_version)?;
+        // PostgreSQL 14's walsender has no READ_REPLICATION_SLOT (added in 15): its slot is read
+        // from pg_replication_slots over a plain connection.
+        let mut slots = SlotReader::new(major, &opts).await?;
 
-        let slot_restart_lsn = match read_slot(&mut conn, &opts.slot).await? {
+        let slot_restart_lsn = match slots.read(&mut conn, &opts.slot).await? {
             Some(lsn) => lsn,
             None => {
                 let create = format!("CREATE_REPLICATION_SLOT {} PHYSICAL RESERVE_WAL", opts.slot);
@@ -423,7 +445,8 @@ impl Primary {
                     Err(PqError::Server(e)) if e.code == "42710" => {}
                     Err(e) => return Err(e.into()),
                 }
-                read_slot(&mut conn, &opts.slot)
+                slots
+                    .read(&mut conn, &opts.slot)
                     .await?
                     .ok_or(SourceError::BadAnswer {
                         query: "READ_REPLICATION_SLOT",
@@ -687,6 +710,49 @@ pub async fn relay_until_shutdown(
     }
 }
 
+/// How the slot's `restart_lsn` is read: `READ_REPLICATION_SLOT` on the replication
+/// connection (PostgreSQL 15 and later), or `pg_replication_slots` over a plain connection.
+enum SlotReader {
+    Replication,
+    Sql(ClientConn<TcpStream>),
+}
+
+impl SlotReader {
+    async fn new(major: pg_wal::PgMajor, opts: &SourceOptions) -> Result<SlotReader, SourceError> {
+        if major >= pg_wal::PgMajor::V15 {
+            return Ok(SlotReader::Replication);
+        }
+        let conn = ClientConn::connect(&opts.conninfo.sql_config()).await?;
+        Ok(SlotReader::Sql(conn))
+    }
+
+    /// The slot's `restart_lsn` (`Lsn::INVALID` if it has none yet), or `None` if the slot
+    /// does not exist.
+    async fn read(
+        &mut self,
+        repl: &mut ClientConn<TcpStream>,
+        slot: &str,
+    ) -> Result<Option<Lsn>, SourceError> {
+        match self {
+            SlotReader::Replication => read_slot(repl, slot).await,
+            SlotReader::Sql(conn) => read_slot_sql(conn, slot).await,
+        }
+    }
+}
+
+/// The slot from `pg_replication_slots`, answered as `READ_REPLICATION_SLOT` would. `slot` is
+/// a valid slot name (lower-case letters, digits and `_`), so quoting it is enough.
+async fn read_slot_sql(
+    conn: &mut ClientConn<TcpStream>,
+    slot: &str,
+) -> Result<Option<Lsn>, SourceError> {
+    const Q: &str = "SELECT slot_type, restart_lsn FROM pg_replication_slots";
+    let rows = conn
+        .simple_query(&format!("{Q} WHERE slot_name = '{slot}'"))
+        .await?;
+    slot_answer(&rows, Q, slot)
+}
+
 /// `READ_REPLICATION_SLOT`: the slot's `restart_lsn` (`Lsn::INVALID` if it has none yet), or
 /// `None` if the slot does not exist.
 async fn read_slot(
@@ -695,15 +761,27 @@ async fn read_slot(
 ) -> Result<Option<Lsn>, SourceError> {
     const Q: &str = "READ_REPLICATION_SLOT";
     let rows = conn.simple_query(&format!("{Q} {slot}")).await?;
-    let slot_type = one_value(&rows, Q, 0)?;
+    slot_answer(&rows, Q, slot)
+}
+
+/// A `(slot_type, restart_lsn)` row (none, or a NULL type, if the slot does not exist).
+fn slot_answer(
+    rows: &[Vec<Option<String>>],
+    query: &'static str,
+    slot: &str,
+) -> Result<Option<Lsn>, SourceError> {
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let slot_type = one_value(rows, query, 0)?;
     match slot_type.as_deref() {
         None => Ok(None),
-        Some("physical") => match one_value(&rows, Q, 1)? {
-            Some(lsn) => Ok(Some(parse_lsn(&lsn, Q)?)),
+        Some("physical") => match one_value(rows, query, 1)? {
+            Some(lsn) => Ok(Some(parse_lsn(&lsn, query)?)),
             None => Ok(Some(Lsn::INVALID)),
         },
         Some(other) => Err(SourceError::BadAnswer {
-            query: Q,
+            query,
             detail: format!("slot {slot} is {other}, not physical"),
         }),
     }

@@ -82,6 +82,7 @@ pub async fn run_with_ledger(
     let sysid = proposer.system_id();
     let mut generator = WalGenerator::new(sysid, seg, start)
         .map_err(|e| ProposerError::Recovery(format!("cannot generate WAL at {start}: {e}")))?
+        .with_major(proposer.pg_major()?)
         .with_prev(prev);
     let message = vec![b'x'; opts.record_size];
 

@@ -362,7 +362,7 @@ impl RecordWalker {
     fn new(wal_start: Lsn, seg: u32) -> RecordWalker {
         RecordWalker {
             seg,
-            decoder: WalStreamDecoder::new(wal_start, seg as u64),
+            decoder: WalStreamDecoder::new(wal_start, seg as u64, pg_wal::PgMajor::V15),
             next_start: next_record_start(wal_start, seg),
         }
     }

@@ -1,10 +1,10 @@
-//! Finding record boundaries in a PostgreSQL 15 WAL byte stream.
+//! Finding record boundaries in a PostgreSQL WAL byte stream of one major version (14 to 18).
 //!
 //! [`WalStreamDecoder`] is fed the stream in chunks split anywhere (as appends arrive) and reports
 //! the end LSN of every complete, valid record. It validates what PostgreSQL's `xlogreader`
-//! validates to find the end of WAL: page headers (magic, flags, `xlp_pageaddr`, segment and
+//! validates to find the end of WAL: page headers (the version's magic, flags, `xlp_pageaddr`, segment and
 //! block size, continuation flag and `xlp_rem_len`), record headers (`xl_tot_len` bounds, resource
-//! manager, `xl_prev` chain once known) and each record's CRC-32C. It keeps no record bytes: the
+//! manager valid in the version, `xl_prev` chain once known) and each record's CRC-32C. It keeps no record bytes: the
 //! CRC is computed incrementally, so decoding never allocates and is bounded whatever it is fed.
 //! Errors are values, sticky once returned; nothing here panics on input bytes.
 //!
@@ -13,11 +13,11 @@
 
 use crate::format::{
     LongPageHeader, MAX_RECORD_LEN, PageHeader, RM_XLOG_ID, SIZE_OF_XLOG_LONG_PHD,
-    SIZE_OF_XLOG_RECORD, XLOG_PAGE_MAGIC, XLOG_RECORD_CRC_OFFS, XLOG_SWITCH, XLP_ALL_FLAGS,
-    XLP_FIRST_IS_CONTRECORD, XLP_LONG_HEADER, XLR_RMGR_INFO_MASK, XLogRecordHeader, is_valid_rmid,
-    page_header_size,
+    SIZE_OF_XLOG_RECORD, XLOG_RECORD_CRC_OFFS, XLOG_SWITCH, XLP_ALL_FLAGS, XLP_FIRST_IS_CONTRECORD,
+    XLP_LONG_HEADER, XLR_RMGR_INFO_MASK, XLogRecordHeader, page_header_size,
 };
 use crate::lsn::{Lsn, XLOG_BLCKSZ};
+use crate::version::PgMajor;
 
 /// Why decoding stopped. The WAL ends before `lsn` (a record or page start).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -29,15 +29,32 @@ pub struct DecodeError {
     pub kind: DecodeErrorKind,
 }
 
+/// " (PostgreSQL 16's WAL)" when `magic` is a known version's, else nothing.
+fn written_by(magic: u16) -> String {
+    PgMajor::from_page_magic(magic)
+        .map(|m| format!(" ({m}'s WAL)"))
+        .unwrap_or_default()
+}
+
 /// What was wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeErrorKind {
     /// The decoder was asked to start where no record can begin.
     #[error("decoding cannot start inside a page header or at an unaligned position")]
     BadStart,
-    /// A page header whose `xlp_magic` is not PostgreSQL 15's.
-    #[error("bad page magic {0:#06X}")]
-    BadMagic(u16),
+    /// A page header whose `xlp_magic` is not the decoder's version's (another version's WAL,
+    /// or not WAL at all).
+    #[error(
+        "bad page magic {got:#06X}{by}, expected {want:#06X} of {expected}",
+        by = written_by(*.got),
+        want = .expected.page_magic()
+    )]
+    BadMagic {
+        /// The `xlp_magic` found.
+        got: u16,
+        /// The version the decoder reads.
+        expected: PgMajor,
+    },
     /// A page header with unknown `xlp_info` bits, or a long header where a short one belongs
     /// (or the reverse).
     #[error("bad page info bits {0:#06X}")]
@@ -116,6 +133,7 @@ enum State {
 /// Cloning is cheap (no heap): the WAL store clones it to decode a write before committing it.
 #[derive(Clone, Debug)]
 pub struct WalStreamDecoder {
+    major: PgMajor,
     seg_size: u64,
     lsn: u64,
     state: State,
@@ -150,8 +168,9 @@ pub struct WalStreamDecoder {
 impl WalStreamDecoder {
     /// A decoder whose next byte is at `start`, which must be a record boundary (8-byte aligned,
     /// not inside a page header; a page-boundary start expects that page's header first).
-    /// `seg_size` must be a valid segment size (callers check it).
-    pub fn new(start: Lsn, seg_size: u64) -> WalStreamDecoder {
+    /// `seg_size` must be a valid segment size (callers check it). Pages must carry `major`'s
+    /// magic and records only its resource managers.
+    pub fn new(start: Lsn, seg_size: u64, major: PgMajor) -> WalStreamDecoder {
         let page_off = start.page_offset() as usize;
         let hdr = page_header_size(start.page_start(), seg_size);
         let error = (!start.0.is_multiple_of(8) || (page_off != 0 && page_off < hdr)).then_some(
@@ -161,6 +180,7 @@ impl WalStreamDecoder {
             },
         );
         WalStreamDecoder {
+            major,
             seg_size,
             lsn: start.0,
             state: State::RecordHeader,
@@ -313,7 +333,7 @@ impl WalStreamDecoder {
             }
             if self.rec_hdr_got == SIZE_OF_XLOG_RECORD {
                 let h = XLogRecordHeader::decode(&self.rec_hdr);
-                if !is_valid_rmid(h.rmid) {
+                if !self.major.is_valid_rmid(h.rmid) {
                     return Err(self.err(self.rec_start, DecodeErrorKind::BadRmgr(h.rmid)));
                 }
                 if let Some(prev) = self.prev_rec
@@ -362,8 +382,12 @@ impl WalStreamDecoder {
         }
         self.page_hdr_got = 0;
         let hdr = PageHeader::decode(&self.page_hdr).expect("page_hdr holds a full header");
-        if hdr.magic != XLOG_PAGE_MAGIC {
-            return Err(self.err(page, DecodeErrorKind::BadMagic(hdr.magic)));
+        if hdr.magic != self.major.page_magic() {
+            let kind = DecodeErrorKind::BadMagic {
+                got: hdr.magic,
+                expected: self.major,
+            };
+            return Err(self.err(page, kind));
         }
         let is_seg_start = page.is_multiple_of(self.seg_size);
         if hdr.info & !XLP_ALL_FLAGS != 0 || (hdr.info & XLP_LONG_HEADER != 0) != is_seg_start {
@@ -472,8 +496,13 @@ impl WalStreamDecoder {
 
 /// Decodes `bytes` (the WAL starting at the record boundary `start`) and returns the end of the
 /// last valid record, with the error that stopped decoding if it did not run out of bytes.
-pub fn find_end_of_wal_in(bytes: &[u8], start: Lsn, seg_size: u64) -> (Lsn, Option<DecodeError>) {
-    let mut dec = WalStreamDecoder::new(start, seg_size);
+pub fn find_end_of_wal_in(
+    bytes: &[u8],
+    start: Lsn,
+    seg_size: u64,
+    major: PgMajor,
+) -> (Lsn, Option<DecodeError>) {
+    let mut dec = WalStreamDecoder::new(start, seg_size, major);
     let err = dec.feed(bytes).err();
     (dec.last_record_end(), err)
 }
@@ -481,13 +510,14 @@ pub fn find_end_of_wal_in(bytes: &[u8], start: Lsn, seg_size: u64) -> (Lsn, Opti
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::first_segment_image;
+    use crate::format::{SIZE_OF_XLOG_SHORT_PHD, first_segment_image};
     use crate::generator::{RecordPos, WalGenerator};
     use proptest::prelude::*;
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
 
     const SEG: u64 = 1 << 20;
+    const V15: PgMajor = PgMajor::V15;
 
     /// WAL from `start` with records of the given message sizes.
     fn wal(start: Lsn, sizes: &[usize]) -> (Vec<u8>, Vec<RecordPos>) {
@@ -512,6 +542,58 @@ mod tests {
     }
 
     #[test]
+    fn each_version_reads_its_own_pages_and_refuses_another_versions() {
+        let start = Lsn(SEG);
+        for major in PgMajor::ALL {
+            let mut g = WalGenerator::new(7, SEG, start).unwrap().with_major(major);
+            let mut bytes = Vec::new();
+            let last = (0..40)
+                .map(|_| g.append_logical_message(&mut bytes, &[1u8; 700]))
+                .last()
+                .unwrap();
+            let (end, err) = find_end_of_wal_in(&bytes, start, SEG, major);
+            assert_eq!((end, err), (last.end, None), "{major}");
+            for other in PgMajor::ALL.into_iter().filter(|&o| o != major) {
+                let (end, err) = find_end_of_wal_in(&bytes, start, SEG, other);
+                assert_eq!(end, start, "{major} WAL read as {other}");
+                let err = err.expect("refused");
+                assert_eq!(
+                    err.kind,
+                    DecodeErrorKind::BadMagic {
+                        got: major.page_magic(),
+                        expected: other
+                    }
+                );
+                let text = err.to_string();
+                assert!(
+                    text.contains(&format!("({major}'s WAL)")) && text.contains(&other.to_string()),
+                    "{text}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn custom_resource_managers_are_refused_before_15() {
+        let start = Lsn(SEG + 8192);
+        let mut g = WalGenerator::new(7, SEG, start)
+            .unwrap()
+            .with_major(PgMajor::V14);
+        let mut bytes = Vec::new();
+        g.append_logical_message(&mut bytes, b"x");
+        bytes[SIZE_OF_XLOG_SHORT_PHD + 17] = 130;
+        let (_, err) = find_end_of_wal_in(&bytes, start, SEG, PgMajor::V14);
+        assert_eq!(err.unwrap().kind, DecodeErrorKind::BadRmgr(130));
+        // PostgreSQL 15 knows rmgr 130: the record gets as far as its CRC (the patched byte).
+        let mut g = WalGenerator::new(7, SEG, start).unwrap();
+        let mut bytes = Vec::new();
+        g.append_logical_message(&mut bytes, b"x");
+        bytes[SIZE_OF_XLOG_SHORT_PHD + 17] = 130;
+        let (_, err) = find_end_of_wal_in(&bytes, start, SEG, V15);
+        assert!(matches!(err.unwrap().kind, DecodeErrorKind::BadCrc { .. }));
+    }
+
+    #[test]
     fn generated_wal_round_trips_through_the_decoder_in_any_chunking() {
         let seed = 0x5eed_u64;
         println!("seed {seed}");
@@ -521,7 +603,7 @@ mod tests {
             let (bytes, pos) = wal(start, &sizes);
             let want: Vec<Lsn> = pos.iter().map(|p| p.end).collect();
             for _ in 0..5 {
-                let mut dec = WalStreamDecoder::new(start, SEG);
+                let mut dec = WalStreamDecoder::new(start, SEG, V15);
                 let mut got = Vec::new();
                 let mut rest = &bytes[..];
                 while !rest.is_empty() {
@@ -540,10 +622,10 @@ mod tests {
         let start = Lsn(SEG);
         let (bytes, pos) = wal(start, &[300_000, 300_000, 300_000, 300_000, 10]);
         assert!(pos.last().unwrap().end.0 > 2 * SEG);
-        let (end, err) = find_end_of_wal_in(&bytes, start, SEG);
+        let (end, err) = find_end_of_wal_in(&bytes, start, SEG, V15);
         assert_eq!((end, err), (pos.last().unwrap().end, None));
         // A decoder told the wrong previous record refuses the first record.
-        let mut dec = WalStreamDecoder::new(start, SEG).with_prev(Lsn(8));
+        let mut dec = WalStreamDecoder::new(start, SEG, V15).with_prev(Lsn(8));
         let e = dec.feed(&bytes).unwrap_err();
         assert!(matches!(e.kind, DecodeErrorKind::BadPrevLink { .. }), "{e}");
     }
@@ -556,7 +638,7 @@ mod tests {
         let victim = pos[4];
         let at = (victim.start.0 + 100 - start.0) as usize;
         bytes[at] ^= 0x01;
-        let (end, err) = find_end_of_wal_in(&bytes, start, SEG);
+        let (end, err) = find_end_of_wal_in(&bytes, start, SEG, V15);
         assert_eq!(end, pos[3].end);
         let err = err.unwrap();
         assert_eq!(err.lsn, victim.start);
@@ -568,7 +650,7 @@ mod tests {
         let start = Lsn(SEG);
         let (mut bytes, pos) = wal(start, &[100, 200]);
         bytes.resize(bytes.len() + 8192 * 3, 0);
-        let (end, err) = find_end_of_wal_in(&bytes, start, SEG);
+        let (end, err) = find_end_of_wal_in(&bytes, start, SEG, V15);
         assert_eq!(end, pos[1].end);
         assert_eq!(err.unwrap().kind, DecodeErrorKind::RecordTooShort(0));
     }
@@ -593,14 +675,14 @@ mod tests {
             } else {
                 b[page + off] ^= val;
             }
-            let (end, err) = find_end_of_wal_in(&b, start, SEG);
+            let (end, err) = find_end_of_wal_in(&b, start, SEG, V15);
             assert_eq!(end, last_before, "{kind_ok}");
             assert_eq!(err.unwrap().lsn, Lsn(SEG + 8192), "{kind_ok}");
         }
         // The long header must carry the real segment size.
         let mut b = bytes.clone();
         b[32] ^= 0x01;
-        let (end, err) = find_end_of_wal_in(&b, start, SEG);
+        let (end, err) = find_end_of_wal_in(&b, start, SEG, V15);
         assert_eq!(end, start);
         assert!(matches!(
             err.unwrap().kind,
@@ -627,7 +709,7 @@ mod tests {
         );
         let first_end = *ends.iter().find(|e| e.0 > 2 * SEG).unwrap();
         let mut seen = Vec::new();
-        let mut dec = WalStreamDecoder::new(Lsn(2 * SEG), SEG);
+        let mut dec = WalStreamDecoder::new(Lsn(2 * SEG), SEG, V15);
         dec.feed_with(&bytes[seg2..], |e| seen.push(e)).unwrap();
         // The first boundary reported is the end of the record that was in progress (aligned),
         // then every later record's end.
@@ -648,7 +730,7 @@ mod tests {
         let hdr = PageHeader::decode(&bytes[page..]).unwrap();
         let mut b = bytes.clone();
         b[page + 2] = (hdr.info ^ XLP_FIRST_IS_CONTRECORD) as u8;
-        let (_, err) = find_end_of_wal_in(&b, start, SEG);
+        let (_, err) = find_end_of_wal_in(&b, start, SEG, V15);
         let kind = err.unwrap().kind;
         assert!(
             matches!(
@@ -679,7 +761,7 @@ mod tests {
             assert_eq!(bytes.len() as u64, SEG);
             let next = g.append_logical_message(&mut bytes, b"after switch");
             want.extend([Lsn(2 * SEG), next.end]);
-            let mut dec = WalStreamDecoder::new(start, SEG);
+            let mut dec = WalStreamDecoder::new(start, SEG, V15);
             let mut ends = Vec::new();
             dec.feed_with(&bytes, |e| ends.push(e)).unwrap();
             assert_eq!(ends, want, "records before the switch: {before:?}");
@@ -689,21 +771,21 @@ mod tests {
     #[test]
     fn starts_after_a_first_segment_image() {
         let init = Lsn(SEG + 8192 * 4 + 200);
-        let mut bytes = first_segment_image(1, SEG, Lsn(init.0)).unwrap();
+        let mut bytes = first_segment_image(V15, 1, SEG, Lsn(init.0)).unwrap();
         let (wal_bytes, pos) = wal(init, &[10, 10_000, 10]);
         bytes.extend_from_slice(&wal_bytes);
-        let (end, err) = find_end_of_wal_in(&bytes[(init.0 - SEG) as usize..], init, SEG);
+        let (end, err) = find_end_of_wal_in(&bytes[(init.0 - SEG) as usize..], init, SEG, V15);
         assert_eq!((end, err), (pos[2].end, None));
     }
 
     #[test]
     fn bad_start_is_an_error_not_a_panic() {
-        let mut dec = WalStreamDecoder::new(Lsn(SEG + 4), SEG);
+        let mut dec = WalStreamDecoder::new(Lsn(SEG + 4), SEG, V15);
         assert_eq!(
             dec.feed(&[0; 64]).unwrap_err().kind,
             DecodeErrorKind::BadStart
         );
-        let mut dec = WalStreamDecoder::new(Lsn(SEG + 8), SEG);
+        let mut dec = WalStreamDecoder::new(Lsn(SEG + 8), SEG, V15);
         assert_eq!(
             dec.feed(&[0; 64]).unwrap_err().kind,
             DecodeErrorKind::BadStart
@@ -719,7 +801,7 @@ mod tests {
             chunk in 1usize..5000,
         ) {
             let start = Lsn(start_page * 8192 + start_off * 8);
-            let mut dec = WalStreamDecoder::new(start, SEG);
+            let mut dec = WalStreamDecoder::new(start, SEG, V15);
             for c in bytes.chunks(chunk) {
                 if dec.feed(c).is_err() {
                     break;
@@ -739,7 +821,7 @@ mod tests {
                 let at = i.index(bytes.len());
                 bytes[at] ^= x;
             }
-            let (end, _) = find_end_of_wal_in(&bytes, start, SEG);
+            let (end, _) = find_end_of_wal_in(&bytes, start, SEG, V15);
             prop_assert!(end == start || pos.iter().any(|p| p.end == end));
         }
     }

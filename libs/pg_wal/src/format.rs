@@ -1,4 +1,5 @@
-//! PostgreSQL 15 WAL on-disk layout: page headers, the `XLogRecord` header, the record CRC-32C,
+//! PostgreSQL WAL on-disk layout (the same in 14 to 18 but for the page magic, see
+//! [`crate::version`]): page headers, the `XLogRecord` header, the record CRC-32C,
 //! segment sizes and segment file names. All integers are little-endian, as PostgreSQL writes them
 //! on the platforms it supports here.
 //!
@@ -7,7 +8,7 @@
 //! first segment is written with. Walking a byte stream is the job of [`crate::decoder`];
 //! producing records is [`crate::generator`]'s.
 //!
-//! Layouts (PostgreSQL 15, `access/xlog_internal.h`, `access/xlogrecord.h`):
+//! Layouts (PostgreSQL 14 to 18, `access/xlog_internal.h`, `access/xlogrecord.h`):
 //! - `XLogPageHeaderData` (24 bytes): `u16 xlp_magic`, `u16 xlp_info`, `u32 xlp_tli`,
 //!   `u64 xlp_pageaddr`, `u32 xlp_rem_len`, 4 bytes of padding.
 //! - `XLogLongPageHeaderData` (40 bytes, first page of a segment): the short header, then
@@ -16,9 +17,7 @@
 //!   `u8 xl_rmid`, 2 bytes of padding, `u32 xl_crc`.
 
 use crate::lsn::{Lsn, XLOG_BLCKSZ};
-
-/// `XLOG_PAGE_MAGIC` of PostgreSQL 15.
-pub const XLOG_PAGE_MAGIC: u16 = 0xD110;
+use crate::version::PgMajor;
 /// [`XLOG_BLCKSZ`] as a `usize`.
 pub const XLOG_BLCKSZ_USIZE: usize = XLOG_BLCKSZ as usize;
 
@@ -26,9 +25,9 @@ pub const XLOG_BLCKSZ_USIZE: usize = XLOG_BLCKSZ as usize;
 pub const XLP_FIRST_IS_CONTRECORD: u16 = 0x0001;
 /// The page header is the long form (first page of a segment).
 pub const XLP_LONG_HEADER: u16 = 0x0002;
-/// Backup blocks on this page may be removed (unused by PostgreSQL 15 but a valid flag).
+/// Backup blocks on this page may be removed (set on the pages `initdb` writes).
 pub const XLP_BKP_REMOVABLE: u16 = 0x0004;
-/// All flags PostgreSQL 15 knows; others make a page header invalid.
+/// All flags PostgreSQL 14 to 18 know; others make a page header invalid.
 pub const XLP_ALL_FLAGS: u16 = 0x0007;
 
 /// `SizeOfXLogShortPHD`.
@@ -54,11 +53,9 @@ pub const RM_XLOG_ID: u8 = 0;
 pub const XLOG_SWITCH: u8 = 0x40;
 /// The bits of `xl_info` that belong to the resource manager.
 pub const XLR_RMGR_INFO_MASK: u8 = 0xF0;
-/// Resource manager of logical messages (`RM_LOGICALMSG_ID`), the last built-in one in PG15.
+/// Resource manager of logical messages (`RM_LOGICALMSG_ID`), the last built-in one in 14..=18.
 pub const RM_LOGICALMSG_ID: u8 = 21;
-/// `RM_MAX_BUILTIN_ID` of PostgreSQL 15.
-pub const RM_MAX_BUILTIN_ID: u8 = RM_LOGICALMSG_ID;
-/// `RM_MIN_CUSTOM_ID`: ids 128..=255 are custom resource managers.
+/// `RM_MIN_CUSTOM_ID`: ids 128..=255 are custom resource managers (since PostgreSQL 15).
 pub const RM_MIN_CUSTOM_ID: u8 = 128;
 /// `XLOG_LOGICAL_MESSAGE` (info of an `RM_LOGICALMSG_ID` record).
 pub const XLOG_LOGICAL_MESSAGE: u8 = 0x00;
@@ -66,7 +63,7 @@ pub const XLOG_LOGICAL_MESSAGE: u8 = 0x00;
 /// `Size message_size` (`message/logical.h`, 64-bit `Size`).
 pub const SIZE_OF_LOGICAL_MESSAGE: usize = 24;
 
-/// Largest `xl_tot_len` accepted: PostgreSQL 15 cannot allocate a larger record buffer
+/// Largest `xl_tot_len` accepted: PostgreSQL cannot allocate a larger record buffer
 /// (`MaxAllocSize - 1`).
 pub const MAX_RECORD_LEN: u32 = 0x3fff_ffff;
 
@@ -139,7 +136,7 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 /// `XLogPageHeaderData`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageHeader {
-    /// [`XLOG_PAGE_MAGIC`] on a valid page.
+    /// The version's [`PgMajor::page_magic`] on a valid page.
     pub magic: u16,
     /// `XLP_*` flags.
     pub info: u16,
@@ -257,11 +254,6 @@ impl XLogRecordHeader {
     }
 }
 
-/// Whether PostgreSQL 15 knows resource manager `rmid` (`RmgrIdIsValid`).
-pub fn is_valid_rmid(rmid: u8) -> bool {
-    rmid <= RM_MAX_BUILTIN_ID || rmid >= RM_MIN_CUSTOM_ID
-}
-
 /// Why WAL (generated, decoded or a first-segment image) cannot start where asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WalStartError {
@@ -289,6 +281,7 @@ pub fn check_record_boundary(lsn: Lsn, seg_size: u64) -> Result<(), WalStartErro
 /// at `init_lsn` (`XLP_FIRST_IS_CONTRECORD`, `xlp_rem_len`), so `pg_waldump` and PostgreSQL's
 /// `XLogFindNextRecord` find the first record at `init_lsn`. Everything else is zero.
 pub fn first_segment_image(
+    major: PgMajor,
     sysid: u64,
     seg_size: u64,
     init_lsn: Lsn,
@@ -320,7 +313,7 @@ pub fn first_segment_image(
     };
     let long = LongPageHeader {
         std: PageHeader {
-            magic: XLOG_PAGE_MAGIC,
+            magic: major.page_magic(),
             info: XLP_LONG_HEADER | info,
             tli: PG_TLI,
             pageaddr: seg_start,
@@ -334,7 +327,7 @@ pub fn first_segment_image(
     if !first_page && page_off != 0 {
         let (info, rem_len) = cont(SIZE_OF_XLOG_SHORT_PHD);
         let short = PageHeader {
-            magic: XLOG_PAGE_MAGIC,
+            magic: major.page_magic(),
             info,
             tli: PG_TLI,
             pageaddr: init_lsn.page_start(),
@@ -353,7 +346,7 @@ mod tests {
     #[test]
     fn page_headers_round_trip() {
         let short = PageHeader {
-            magic: XLOG_PAGE_MAGIC,
+            magic: PgMajor::V15.page_magic(),
             info: XLP_FIRST_IS_CONTRECORD,
             tli: PG_TLI,
             pageaddr: Lsn(0x1_2345_6000),
@@ -437,7 +430,7 @@ mod tests {
     fn first_segment_image_claims_continuation_up_to_init_lsn() {
         const SEG: u64 = 1 << 20;
         let init = Lsn(3 * SEG + 5 * 8192 + 1000);
-        let img = first_segment_image(9, SEG, init).unwrap();
+        let img = first_segment_image(PgMajor::V15, 9, SEG, init).unwrap();
         assert_eq!(img.len() as u64, init.segment_offset(SEG));
         let long = LongPageHeader::decode(&img).unwrap();
         assert_eq!(long.std.pageaddr, Lsn(3 * SEG));
@@ -445,10 +438,14 @@ mod tests {
         let short = PageHeader::decode(&img[5 * 8192..]).unwrap();
         assert_eq!(short.info, XLP_FIRST_IS_CONTRECORD);
         assert_eq!(short.rem_len, 1000 - 24);
-        let first = first_segment_image(9, SEG, Lsn(SEG + 48)).unwrap();
+        let first = first_segment_image(PgMajor::V15, 9, SEG, Lsn(SEG + 48)).unwrap();
         let long = LongPageHeader::decode(&first).unwrap();
         assert_eq!(long.std.info, XLP_LONG_HEADER | XLP_FIRST_IS_CONTRECORD);
         assert_eq!(long.std.rem_len, 8);
-        assert!(first_segment_image(9, SEG, Lsn(SEG)).unwrap().is_empty());
+        assert!(
+            first_segment_image(PgMajor::V15, 9, SEG, Lsn(SEG))
+                .unwrap()
+                .is_empty()
+        );
     }
 }

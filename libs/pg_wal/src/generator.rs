@@ -19,11 +19,12 @@
 use crate::format::{
     LongPageHeader, MAX_RECORD_LEN, PG_TLI, PageHeader, RM_LOGICALMSG_ID, RM_XLOG_ID,
     SIZE_OF_LOGICAL_MESSAGE, SIZE_OF_XLOG_LONG_PHD, SIZE_OF_XLOG_RECORD, SIZE_OF_XLOG_SHORT_PHD,
-    WalStartError, XLOG_LOGICAL_MESSAGE, XLOG_PAGE_MAGIC, XLOG_RECORD_CRC_OFFS, XLOG_SWITCH,
+    WalStartError, XLOG_LOGICAL_MESSAGE, XLOG_RECORD_CRC_OFFS, XLOG_SWITCH,
     XLP_FIRST_IS_CONTRECORD, XLP_LONG_HEADER, XLR_BLOCK_ID_DATA_LONG, XLR_BLOCK_ID_DATA_SHORT,
     XLogRecordHeader, check_record_boundary, is_valid_seg_size,
 };
 use crate::lsn::{Lsn, XLOG_BLCKSZ};
+use crate::version::PgMajor;
 
 /// Where one generated record landed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +56,8 @@ pub fn logical_message_tot_len(prefix_len: usize, message_len: usize) -> usize {
 /// byte before `lsn` has been emitted.
 #[derive(Clone, Debug)]
 pub struct WalGenerator {
+    /// The version whose page magic the pages carry (logical messages are the same in all).
+    major: PgMajor,
     seg_size: u64,
     sysid: u64,
     /// Position of the next byte to emit.
@@ -71,13 +74,15 @@ pub struct WalGenerator {
 
 impl WalGenerator {
     /// A generator whose first record starts at `start` (a record boundary; if `start` is at a
-    /// page boundary the page header is generated too) with `xl_prev` = 0.
+    /// page boundary the page header is generated too) with `xl_prev` = 0, as PostgreSQL 15
+    /// writes it ([`WalGenerator::with_major`] for another version).
     pub fn new(sysid: u64, seg_size: u64, start: Lsn) -> Result<WalGenerator, WalStartError> {
         if !is_valid_seg_size(seg_size) {
             return Err(WalStartError::SegSize(seg_size));
         }
         check_record_boundary(start, seg_size)?;
         Ok(WalGenerator {
+            major: PgMajor::V15,
             seg_size,
             sysid,
             lsn: start,
@@ -86,6 +91,12 @@ impl WalGenerator {
             prefix: b"mini-safekeeper".to_vec(),
             scratch: Vec::with_capacity(64),
         })
+    }
+
+    /// Writes pages as `major` does.
+    pub fn with_major(mut self, major: PgMajor) -> WalGenerator {
+        self.major = major;
+        self
     }
 
     /// Sets the `xl_prev` of the next record (the start of the record before `start`).
@@ -281,7 +292,7 @@ impl WalGenerator {
             0
         };
         let std = PageHeader {
-            magic: XLOG_PAGE_MAGIC,
+            magic: self.major.page_magic(),
             info,
             tli: PG_TLI,
             pageaddr: self.lsn,

@@ -1,4 +1,4 @@
-//! PostgreSQL 15 WAL as bytes: [`Lsn`] positions, page and record layouts with CRC-32C and the
+//! PostgreSQL WAL as bytes, for each supported major version 14 to 18 ([`PgMajor`]): [`Lsn`] positions, page and record layouts with CRC-32C and the
 //! first-segment image a new timeline starts from ([`format`](mod@format)), a streaming decoder
 //! that finds record boundaries and the end of valid WAL ([`decoder`]), and a generator of valid
 //! logical-message WAL for tests and benches ([`generator`]).
@@ -13,8 +13,10 @@ pub mod decoder;
 pub mod format;
 pub mod generator;
 pub mod lsn;
+pub mod version;
 
 pub use decoder::{DecodeError, DecodeErrorKind, WalStreamDecoder, find_end_of_wal_in};
 pub use format::{WalStartError, first_segment_image};
 pub use generator::{RecordPos, WalGenerator};
 pub use lsn::{Lsn, LsnParseError, XLOG_BLCKSZ};
+pub use version::{PgMajor, UnsupportedVersion};

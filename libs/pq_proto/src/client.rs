@@ -35,6 +35,9 @@ pub struct ClientConfig {
     /// Sent as `replication=true` (a physical replication connection) when set; most of our
     /// uses need it.
     pub replication: bool,
+    /// The `database` of a plain (not replication) connection; the server's default (the user
+    /// name) when `None`. Ignored with `replication`.
+    pub database: Option<String>,
     /// Sent in answer to AuthenticationCleartextPassword.
     pub password: Option<String>,
     /// Limit on one message body from the server.
@@ -69,6 +72,7 @@ impl ClientConfig {
             application_name: None,
             options: None,
             replication: true,
+            database: None,
             password: None,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             connect_timeout: Duration::from_secs(10),
@@ -81,6 +85,8 @@ impl ClientConfig {
             // As libpq does for replication=true (the database is ignored by the server).
             p.push(("database".to_string(), "replication".to_string()));
             p.push(("replication".to_string(), "true".to_string()));
+        } else if let Some(db) = &self.database {
+            p.push(("database".to_string(), db.clone()));
         }
         if let Some(a) = &self.application_name {
             p.push(("application_name".to_string(), a.clone()));

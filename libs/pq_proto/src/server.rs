@@ -34,9 +34,13 @@ use crate::frontend::{
 use crate::io::{flush_buf, read_frame, read_frontend, shutdown_after_flush};
 use crate::replication::{ReplicationMessage, xlog_data_header};
 
-/// The `server_version` we report. Clients parse it with `%d.%d`: major 15, so PostgreSQL 15's
-/// pg_receivewal (which refuses newer servers) and walreceiver accept us.
+/// The `server_version` we report when [`ServerConfig::version_for`] gives none. Clients parse
+/// it with `%d.%d`: major 15, so PostgreSQL 15's pg_receivewal (which refuses newer servers) and
+/// walreceiver accept us.
 pub const DEFAULT_SERVER_VERSION: &str = "15.18 (mini-safekeeper)";
+
+/// Chooses the `server_version` reported to one client from its startup parameters.
+pub type VersionFor = std::sync::Arc<dyn Fn(&StartupParams) -> Option<String> + Send + Sync>;
 
 /// How a server connection authenticates clients and what it reports. `Debug` hides the secret.
 #[derive(Clone)]
@@ -44,8 +48,12 @@ pub struct ServerConfig {
     /// `None`: trust. `Some(secret)`: ask for a cleartext password and compare it with the
     /// secret in constant time.
     pub password: Option<Vec<u8>>,
-    /// Reported as the `server_version` parameter; must parse as major version 15.
+    /// Reported as the `server_version` parameter when `version_for` gives none.
     pub server_version: String,
+    /// The `server_version` for a client's startup parameters (a safekeeper reports the version
+    /// of the timeline the client's options name, so version-aware clients behave as they do
+    /// against that timeline's primary); `None` to report `server_version` to everyone.
+    pub version_for: Option<VersionFor>,
     /// Limit on one message body from the client.
     pub max_message_size: usize,
     /// Limit on each message before authentication completes (the startup packet, SSL/GSS
@@ -62,6 +70,7 @@ impl std::fmt::Debug for ServerConfig {
         f.debug_struct("ServerConfig")
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("server_version", &self.server_version)
+            .field("version_for", &self.version_for.as_ref().map(|_| "<fn>"))
             .field("max_message_size", &self.max_message_size)
             .field("max_startup_message_size", &self.max_startup_message_size)
             .finish()
@@ -73,6 +82,7 @@ impl Default for ServerConfig {
         ServerConfig {
             password: None,
             server_version: DEFAULT_SERVER_VERSION.to_string(),
+            version_for: None,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             max_startup_message_size: DEFAULT_MAX_STARTUP_MESSAGE_SIZE,
         }
@@ -416,7 +426,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ServerConn<S> {
     /// ReadyForQuery.
     async fn finish_startup(&mut self, params: &StartupParams) -> Result<(), PqError> {
         self.write_message(&BackendMessage::Authentication(Authentication::Ok));
-        let version = self.config.server_version.clone();
+        let version = self
+            .config
+            .version_for
+            .as_ref()
+            .and_then(|f| f(params))
+            .unwrap_or_else(|| self.config.server_version.clone());
         for (name, value) in [
             ("server_version", version.as_str()),
             ("server_encoding", "UTF8"),

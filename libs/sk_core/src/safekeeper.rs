@@ -36,8 +36,17 @@ pub enum SafeKeeperError {
         /// The greeting's.
         got: TenantTimelineId,
     },
-    /// A proposer of another PostgreSQL major version than the timeline's.
-    #[error("proposer runs PostgreSQL {theirs}, timeline has major version of {ours}")]
+    /// A proposer of a PostgreSQL version whose WAL is not supported.
+    #[error("the proposer's {0}")]
+    UnsupportedPgVersion(#[from] pg_wal::UnsupportedVersion),
+    /// A proposer of another PostgreSQL major version than the timeline's: one timeline's WAL
+    /// is of one major version (its page magic), so a primary upgraded to another major version
+    /// starts a new timeline.
+    #[error(
+        "proposer runs PostgreSQL server_version_num {theirs}, the timeline's WAL is of major \
+         version {}: mixed major versions within a timeline are refused",
+        ours / 10000
+    )]
     PgVersionMismatch {
         /// The timeline's version.
         ours: u32,
@@ -418,6 +427,7 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
                 got: msg.ttid(),
             });
         }
+        pg_wal::PgMajor::from_server_version(msg.pg_version)?;
         let server = &self.control.server;
         if server.pg_version != 0 && msg.pg_version / 10000 != server.pg_version / 10000 {
             return Err(SafeKeeperError::PgVersionMismatch {

@@ -38,6 +38,7 @@ mod tests;
 
 use std::path::{Path, PathBuf};
 
+use pg_wal::PgMajor;
 use pg_wal::WalStreamDecoder;
 use pg_wal::format::{first_segment_image, is_valid_seg_size, parse_xlog_file_name};
 use sk_core::storage::durable::{durable_rename, fsync_dir, fsync_or_abort};
@@ -62,6 +63,9 @@ pub struct WalFileOptions {
     /// System identifier written into the long page header by
     /// [`WalStore::initialize_first_segment`] (0 when unknown).
     pub system_id: u64,
+    /// The PostgreSQL major version of the WAL: the page magic and resource managers recovery
+    /// and the append decoder accept, and the first segment's page headers.
+    pub major: PgMajor,
     /// Where this safekeeper's WAL begins (the control file's `local_start_lsn`), or
     /// [`Lsn::INVALID`] if unknown. When valid, start-up also checks that the page holding the
     /// last byte below `commit_lsn` is present.
@@ -217,7 +221,14 @@ impl WalFileStore {
             }
         }
         let end = if commit_lsn.is_valid() {
-            let end = find_end_of_wal(fs, &dir, seg_size, commit_lsn, opts.wal_start_lsn)?;
+            let end = find_end_of_wal(
+                fs,
+                &dir,
+                seg_size,
+                opts.major,
+                commit_lsn,
+                opts.wal_start_lsn,
+            )?;
             if end < commit_lsn {
                 return Err(Error::Corruption {
                     file: dir.display().to_string(),
@@ -240,7 +251,7 @@ impl WalFileStore {
         let prep = Preparer::new(&dir, seg_size, &opts);
         let file = opts.open_files.slot(opts.no_sync);
         Ok(WalFileStore {
-            decoder: WalStreamDecoder::new(end, seg_size),
+            decoder: WalStreamDecoder::new(end, seg_size, opts.major),
             dir,
             seg_size,
             opts,
@@ -551,7 +562,7 @@ impl WalStore for WalFileStore {
         }
         if !self.write_lsn.is_valid() {
             // An empty store takes the first write's position as its start.
-            self.decoder = WalStreamDecoder::new(start, self.seg_size);
+            self.decoder = WalStreamDecoder::new(start, self.seg_size, self.opts.major);
             (self.write_lsn, self.write_record_lsn) = (start, start);
             (self.flush_byte_lsn, self.flush_record_lsn) = (start, start);
         }
@@ -624,7 +635,7 @@ impl WalStore for WalFileStore {
         self.write_record_lsn = end;
         self.flush_byte_lsn = end;
         self.flush_record_lsn = end;
-        self.decoder = WalStreamDecoder::new(end, self.seg_size);
+        self.decoder = WalStreamDecoder::new(end, self.seg_size, self.opts.major);
         // Closed unsynced: what it holds past `end` is discarded, the rest is synced below.
         drop(self.file.take());
 
@@ -720,8 +731,13 @@ impl WalStore for WalFileStore {
                 self.write_lsn
             )));
         }
-        let image = first_segment_image(self.opts.system_id, self.seg_size, init_lsn)
-            .map_err(|e| Error::Rejected(e.to_string()))?;
+        let image = first_segment_image(
+            self.opts.major,
+            self.opts.system_id,
+            self.seg_size,
+            init_lsn,
+        )
+        .map_err(|e| Error::Rejected(e.to_string()))?;
         let segno = init_lsn.segment_number(self.seg_size);
         self.with_segment(segno, |seg| {
             seg.file

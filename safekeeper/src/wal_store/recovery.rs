@@ -61,10 +61,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use pg_wal::format::{
-    MAX_RECORD_LEN, PageHeader, SIZE_OF_XLOG_RECORD, XLOG_PAGE_MAGIC, is_valid_rmid,
-    is_valid_seg_size, page_header_size,
+    MAX_RECORD_LEN, PageHeader, SIZE_OF_XLOG_RECORD, is_valid_seg_size, page_header_size,
 };
-use pg_wal::{DecodeError, DecodeErrorKind, WalStreamDecoder, XLOG_BLCKSZ};
+use pg_wal::{DecodeError, DecodeErrorKind, PgMajor, WalStreamDecoder, XLOG_BLCKSZ};
 use sk_core::storage::durable::{fsync_dir, fsync_or_abort};
 use sk_core::storage::fs::{FileHandle, Fs, SyncKind, read_full_at};
 use sk_core::storage::{Error, Result};
@@ -92,6 +91,7 @@ pub fn find_end_of_wal(
     fs: &Fs,
     dir: &Path,
     seg_size: u64,
+    major: PgMajor,
     start: Lsn,
     wal_start: Lsn,
 ) -> Result<Lsn> {
@@ -112,10 +112,10 @@ pub fn find_end_of_wal(
                 // Zeros: never written, or the padding after an XLOG_SWITCH (PostgreSQL zeroes
                 // the padding pages' headers too), which is WAL that ends at the segment end.
                 start.segment_offset(seg_size) == 0
-                    && segment_ends_with_switch(&*f, start.0 - seg_size, seg_size, wal_start)
+                    && segment_ends_with_switch(&*f, start.0 - seg_size, seg_size, major, wal_start)
             }
             Some(hdr) => PageHeader::decode(&hdr)
-                .is_some_and(|h| h.magic == XLOG_PAGE_MAGIC && h.pageaddr == page),
+                .is_some_and(|h| h.magic == major.page_magic() && h.pageaddr == page),
             None => false,
         };
         if !ok {
@@ -123,7 +123,7 @@ pub fn find_end_of_wal(
             return Ok(page);
         }
     }
-    let mut decoder = WalStreamDecoder::new(start, seg_size);
+    let mut decoder = WalStreamDecoder::new(start, seg_size, major);
     let mut buf = vec![0u8; RECOVERY_READ_CHUNK.min(seg_size as usize)];
     let mut lsn = start;
     loop {
@@ -143,7 +143,14 @@ pub fn find_end_of_wal(
                 return Ok(decoder.last_record_end());
             }
             if let Err(e) = decoder.feed(&buf[..n]) {
-                check_tail(fs, dir, seg_size, &e, decoder.last_valid_record_start())?;
+                check_tail(
+                    fs,
+                    dir,
+                    seg_size,
+                    major,
+                    &e,
+                    decoder.last_valid_record_start(),
+                )?;
                 tracing::info!(file = %path.display(), "end of WAL (a torn or zeroed tail): {e}");
                 return Ok(decoder.last_record_end());
             }
@@ -174,6 +181,7 @@ fn segment_ends_with_switch(
     f: &dyn FileHandle,
     seg_start: u64,
     seg_size: u64,
+    major: PgMajor,
     wal_start: Lsn,
 ) -> bool {
     let lowest = wal_start.page_start().0.max(seg_start);
@@ -198,7 +206,7 @@ fn segment_ends_with_switch(
     if f.read_exact_at(&mut bytes, from - seg_start).is_err() {
         return false;
     }
-    let mut dec = WalStreamDecoder::new(Lsn(from), seg_size);
+    let mut dec = WalStreamDecoder::new(Lsn(from), seg_size, major);
     let _ = dec.feed(&bytes);
     let seg_end = Lsn(seg_start + seg_size);
     dec.last_record_end() == seg_end || dec.switch_end() == Some(seg_end)
@@ -244,6 +252,7 @@ pub fn verify_committed_wal(
     fs: &Fs,
     dir: &Path,
     seg_size: u64,
+    major: PgMajor,
     from: Lsn,
     commit: Lsn,
 ) -> Result<()> {
@@ -255,7 +264,7 @@ pub fn verify_committed_wal(
         reason,
     };
     let reader = WalReader::on(fs.clone(), dir, seg_size);
-    let mut decoder = WalStreamDecoder::new(from, seg_size);
+    let mut decoder = WalStreamDecoder::new(from, seg_size, major);
     // Zeroed once: each chunk is read over it (no fill per chunk).
     let mut buf = vec![0u8; VERIFY_READ_CHUNK as usize];
     let mut pos = from;
@@ -293,11 +302,12 @@ fn check_tail(
     fs: &Fs,
     dir: &Path,
     seg_size: u64,
+    major: PgMajor,
     err: &DecodeError,
     prev_floor: Option<Lsn>,
 ) -> Result<()> {
     let x = err.lsn;
-    let mut scan = TailScan::new(fs, dir, seg_size);
+    let mut scan = TailScan::new(fs, dir, seg_size, major);
     // The rest of X's own sector never written: the usual end of WAL (zeros after the last
     // record).
     let sector_end = x.0.next_multiple_of(SECTOR);
@@ -342,9 +352,15 @@ fn expected_found(err: &DecodeError) -> (String, String) {
             format!("a record whose CRC-32C field matches its bytes ({computed:#010X})"),
             format!("CRC field {got:#010X}"),
         ),
-        K::BadMagic(m) => (
-            format!("a page header with magic {XLOG_PAGE_MAGIC:#06X}"),
-            format!("magic {m:#06X}"),
+        K::BadMagic { got, expected } => (
+            format!(
+                "a page header with magic {:#06X} of {expected}",
+                expected.page_magic()
+            ),
+            match PgMajor::from_page_magic(*got) {
+                Some(v) => format!("magic {got:#06X} ({v}'s WAL)"),
+                None => format!("magic {got:#06X}"),
+            },
         ),
         K::BadPageAddr { got } => (
             format!("a page header with xlp_pageaddr {lsn}"),
@@ -363,7 +379,7 @@ fn expected_found(err: &DecodeError) -> (String, String) {
             format!("xl_tot_len {n}"),
         ),
         K::BadRmgr(r) => (
-            "a PostgreSQL 15 resource manager id".to_string(),
+            "a resource manager id of the timeline's PostgreSQL version".to_string(),
             format!("xl_rmid {r}"),
         ),
         other => ("valid WAL".to_string(), other.to_string()),
@@ -376,6 +392,7 @@ struct TailScan<'a> {
     fs: &'a Fs,
     dir: &'a Path,
     seg_size: u64,
+    major: PgMajor,
     segments: HashMap<u64, Option<SegmentFile>>,
     /// Page start → the bytes of that page present on disk (shorter than a page, or empty,
     /// when the file ends or is missing).
@@ -383,11 +400,12 @@ struct TailScan<'a> {
 }
 
 impl<'a> TailScan<'a> {
-    fn new(fs: &'a Fs, dir: &'a Path, seg_size: u64) -> TailScan<'a> {
+    fn new(fs: &'a Fs, dir: &'a Path, seg_size: u64, major: PgMajor) -> TailScan<'a> {
         TailScan {
             fs,
             dir,
             seg_size,
+            major,
             segments: HashMap::new(),
             pages: HashMap::new(),
         }
@@ -453,12 +471,13 @@ impl<'a> TailScan<'a> {
     /// bytes run out. Cheap for most positions: a plausible header is checked before decoding.
     fn checked_record_from(&mut self, p: Lsn) -> Result<Option<(Lsn, Lsn)>> {
         let seg_size = self.seg_size;
+        let major = self.major;
         let off = p.page_offset() as usize;
         {
             let page = self.page(p.page_start())?;
             if off == 0 {
                 let ok = PageHeader::decode(page)
-                    .is_some_and(|h| h.magic == XLOG_PAGE_MAGIC && h.pageaddr == p);
+                    .is_some_and(|h| h.magic == major.page_magic() && h.pageaddr == p);
                 if !ok {
                     return Ok(None);
                 }
@@ -471,12 +490,15 @@ impl<'a> TailScan<'a> {
                 if !(SIZE_OF_XLOG_RECORD as u32..=MAX_RECORD_LEN).contains(&tot_len) {
                     return Ok(None);
                 }
-                if page.get(off + 17).is_some_and(|&rmid| !is_valid_rmid(rmid)) {
+                if page
+                    .get(off + 17)
+                    .is_some_and(|&rmid| !major.is_valid_rmid(rmid))
+                {
                     return Ok(None);
                 }
             }
         }
-        let mut dec = WalStreamDecoder::new(p, seg_size);
+        let mut dec = WalStreamDecoder::new(p, seg_size, self.major);
         let mut at = p;
         loop {
             let page_start = at.page_start();

@@ -16,6 +16,7 @@ fn opts() -> WalFileOptions {
     WalFileOptions {
         no_sync: false,
         system_id: 77,
+        major: PgMajor::V15,
         wal_start_lsn: Lsn::INVALID,
         zero_fill: false,
         prepare_below_rate: 0,
@@ -1084,7 +1085,7 @@ fn switch_case(seg: u64, at: SwitchAt, crash: bool) {
         let s = WalFileStore::open(dir, seg, commit, o.clone())
             .unwrap_or_else(|e| panic!("{case}, recovery from {commit}: {e}"));
         assert_eq!(s.flush_lsn(), boundary, "{case}, recovery from {commit}");
-        verify_committed_wal(&o.fs, dir, seg, start, commit).unwrap();
+        verify_committed_wal(&o.fs, dir, seg, PgMajor::V15, start, commit).unwrap();
     }
     if crash {
         // Recovery made what it decoded durable: a power loss now keeps it.
@@ -1109,7 +1110,7 @@ fn switch_case(seg: u64, at: SwitchAt, crash: bool) {
     s.read_wal(start, g.lsn(), &mut back).unwrap();
     assert_eq!(&back[..wal.len()], &wal[..], "{case}");
     assert_eq!(&back[wal.len()..], &next[..], "{case}");
-    verify_committed_wal(&o.fs, dir, seg, start, g.lsn()).unwrap();
+    verify_committed_wal(&o.fs, dir, seg, PgMajor::V15, start, g.lsn()).unwrap();
 }
 
 /// Bytes of segment `segno` backed by allocated blocks (sparse holes excluded).

@@ -214,6 +214,10 @@ fn auth_token(args: &Args) -> anyhow::Result<Option<String>> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    // The relay takes the version from the primary (and checks it there).
+    if !matches!(args.source, Source::Postgres) {
+        pg_wal::PgMajor::from_server_version(args.pg_version).context("--pg-version")?;
+    }
     let token = auth_token(&args)?;
     let tls = walproposer::tls::ClientTls::new(args.sslmode, args.sslrootcert.as_deref())?;
     let safekeepers = args

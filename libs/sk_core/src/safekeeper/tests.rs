@@ -14,12 +14,16 @@ const S: u64 = 0x0100_0000;
 const SEG: u32 = 16 << 20;
 
 fn new_sk() -> Sk {
+    new_sk_with_version(150000)
+}
+
+fn new_sk_with_version(pg_version: u32) -> Sk {
     let state = TimelinePersistentState::new(
         TenantId([1; 16]),
         TimelineId([2; 16]),
         Configuration::default(),
         ServerInfo {
-            pg_version: 150000,
+            pg_version,
             system_id: 0,
             wal_seg_size: SEG,
         },
@@ -227,6 +231,29 @@ fn greeting_for_another_timeline_is_rejected() {
         sk.process_msg(&ProposerAcceptorMessage::Greeting(g)),
         Err(SafeKeeperError::WrongTimeline { .. })
     ));
+}
+
+#[test]
+fn greeting_of_an_unsupported_version_is_refused_naming_the_range_and_not_adopted() {
+    for bad in [0, 130020, 190000] {
+        let mut sk = new_sk();
+        let before = sk.state().clone();
+        let mut g = greeting();
+        g.pg_version = bad;
+        let e = sk
+            .process_msg(&ProposerAcceptorMessage::Greeting(g))
+            .unwrap_err();
+        assert!(matches!(e, SafeKeeperError::UnsupportedPgVersion(_)), "{e}");
+        assert!(e.to_string().contains("14 to 18"), "{e}");
+        assert_eq!(sk.state(), &before);
+    }
+    for ok in [140023, 150018, 180004] {
+        let mut sk = new_sk_with_version(ok);
+        let mut g = greeting();
+        g.pg_version = ok;
+        sk.process_msg(&ProposerAcceptorMessage::Greeting(g))
+            .unwrap();
+    }
 }
 
 #[test]
