@@ -15,6 +15,7 @@ them; a test never downloads). PG15 keeps its fuller suite in test_postgres_e2e.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import threading
@@ -220,6 +221,10 @@ def test_primary_of_each_major_version_relayed_to_a_standby_of_that_version(
     figures["records_decoded"] = records.pop()
     figures["switched_segment"] = segment_name(switched)
     print("\nFIGURES " + json.dumps(figures))
+    # scripts/bench-report collects them from one run of every version.
+    if os.environ.get("PG_VERSIONS_FIGURES"):
+        with open(os.environ["PG_VERSIONS_FIGURES"], "a") as f:
+            f.write(json.dumps(figures) + "\n")
 
 
 def test_an_unsupported_or_mixed_version_is_refused(safekeeper):
