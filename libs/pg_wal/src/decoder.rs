@@ -14,6 +14,7 @@
 use crate::format::{
     LongPageHeader, MAX_RECORD_LEN, PageHeader, RM_XLOG_ID, SIZE_OF_XLOG_LONG_PHD,
     SIZE_OF_XLOG_RECORD, XLOG_RECORD_CRC_OFFS, XLOG_SWITCH, XLP_ALL_FLAGS, XLP_FIRST_IS_CONTRECORD,
+    XLP_FIRST_IS_OVERWRITE_CONTRECORD,
     XLP_LONG_HEADER, XLR_RMGR_INFO_MASK, XLogRecordHeader, page_header_size,
 };
 use crate::lsn::{Lsn, XLOG_BLCKSZ};
@@ -414,7 +415,14 @@ impl WalStreamDecoder {
             State::Padding { .. } | State::Skip { .. } => false,
         };
         let contrecord = hdr.info & XLP_FIRST_IS_CONTRECORD != 0;
-        if in_record {
+        if in_record && hdr.info & XLP_FIRST_IS_OVERWRITE_CONTRECORD != 0 {
+            // The record in progress was abandoned by a primary that crashed while writing it
+            // (PostgreSQL's xlogreader restarts at this page the same way): it never counted,
+            // and the next record, this page's first, links back to the last valid one.
+            self.state = State::RecordHeader;
+            self.rec_hdr_got = 0;
+            self.skipping_tail = false;
+        } else if in_record {
             if !contrecord {
                 return Err(self.err(page, DecodeErrorKind::MissingContrecord));
             }
@@ -573,6 +581,43 @@ mod tests {
         }
     }
 
+    /// WAL of a primary that crashed while writing record B: B's first two pages, then the page
+    /// where B would have continued, started over with `XLP_FIRST_IS_OVERWRITE_CONTRECORD` and
+    /// record C, whose `xl_prev` is A (the last valid record).
+    fn overwritten_contrecord(flag: u16) -> (Vec<u8>, Lsn, Vec<Lsn>) {
+        let start = Lsn(SEG);
+        let mut g = WalGenerator::new(7, SEG, start).unwrap();
+        let mut bytes = Vec::new();
+        let a = g.append_logical_message(&mut bytes, b"a");
+        let b = g.append_logical_message(&mut bytes, &[7u8; 3 * 8192]);
+        let cut = b.start.page_start().0 + 2 * 8192;
+        assert!(cut < b.end.0);
+        bytes.truncate((cut - start.0) as usize);
+        let mut g2 = WalGenerator::new(7, SEG, Lsn(cut)).unwrap().with_prev(a.start);
+        let c = g2.append_logical_message(&mut bytes, b"c");
+        let at = (cut - start.0) as usize;
+        bytes[at + 2..at + 4].copy_from_slice(&flag.to_le_bytes());
+        (bytes, start, vec![a.end, c.end])
+    }
+
+    #[test]
+    fn a_record_abandoned_by_a_crashed_primary_is_skipped_at_the_overwrite_page() {
+        let (bytes, start, want) = overwritten_contrecord(XLP_FIRST_IS_OVERWRITE_CONTRECORD);
+        for chunk in [1, 7, 100, 8192, bytes.len()] {
+            let mut dec = WalStreamDecoder::new(start, SEG, V15);
+            let mut got = Vec::new();
+            for piece in bytes.chunks(chunk) {
+                dec.feed_with(piece, |end| got.push(end)).unwrap();
+            }
+            assert_eq!(got, want, "chunks of {chunk}");
+        }
+        // Without the flag the same page is a missing continuation: the WAL ends at A.
+        let (bytes, start, want) = overwritten_contrecord(0);
+        let (end, err) = find_end_of_wal_in(&bytes, start, SEG, V15);
+        assert_eq!(end, want[0]);
+        assert_eq!(err.unwrap().kind, DecodeErrorKind::MissingContrecord);
+    }
+
     #[test]
     fn custom_resource_managers_are_refused_before_15() {
         let start = Lsn(SEG + 8192);
@@ -664,7 +709,7 @@ mod tests {
         let last_before = pos.iter().rfind(|p| p.end.0 <= SEG + 8192).unwrap().end;
         for (off, val, kind_ok) in [
             (0usize, 0x11u8, "magic"),
-            (2, 0x08, "info"),
+            (2, 0x10, "info"),
             (8, 0x01, "pageaddr"),
             (16, 0x01, "rem_len"),
             (2, 0x00, "contrecord flag cleared"),

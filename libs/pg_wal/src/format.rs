@@ -27,8 +27,12 @@ pub const XLP_FIRST_IS_CONTRECORD: u16 = 0x0001;
 pub const XLP_LONG_HEADER: u16 = 0x0002;
 /// Backup blocks on this page may be removed (set on the pages `initdb` writes).
 pub const XLP_BKP_REMOVABLE: u16 = 0x0004;
+/// The record continued from an earlier page was abandoned: a primary that crashed half-way
+/// through writing a record starts the page where its continuation would have been with this
+/// flag (and an `XLOG_OVERWRITE_CONTRECORD` record) instead of the rest of the record.
+pub const XLP_FIRST_IS_OVERWRITE_CONTRECORD: u16 = 0x0008;
 /// All flags PostgreSQL 14 to 18 know; others make a page header invalid.
-pub const XLP_ALL_FLAGS: u16 = 0x0007;
+pub const XLP_ALL_FLAGS: u16 = 0x000F;
 
 /// `SizeOfXLogShortPHD`.
 pub const SIZE_OF_XLOG_SHORT_PHD: usize = 24;
