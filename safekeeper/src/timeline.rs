@@ -195,7 +195,13 @@ impl Timeline {
     ) -> Result<Timeline, TimelineError> {
         let control = FileControlStore::load_in(fs.clone(), dir, no_sync)?;
         let seg_size = control.server.wal_seg_size as u64;
-        let major = PgMajor::from_server_version(control.server.pg_version).map_err(|e| {
+        // A stored 0 is a timeline made before versions were checked, when all WAL was
+        // PostgreSQL 15's.
+        let stored = match control.server.pg_version {
+            0 => 150000,
+            v => v,
+        };
+        let major = PgMajor::from_server_version(stored).map_err(|e| {
             TimelineError::Storage(storage::Error::Corruption {
                 file: dir.display().to_string(),
                 reason: format!("the control file's server: {e}"),

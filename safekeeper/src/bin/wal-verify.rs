@@ -57,6 +57,11 @@ fn verify(args: &Args) -> Result<serde_json::Value, String> {
     let state = control_file::decode(&bytes, &path).map_err(|e| e.to_string())?;
     let major = PgMajor::from_server_version(state.server.pg_version).map_err(|e| e.to_string())?;
     let seg_size = u64::from(state.server.wal_seg_size);
+    if !pg_wal::format::is_valid_seg_size(seg_size) {
+        return Err(format!(
+            "the control file gives an invalid WAL segment size {seg_size}"
+        ));
+    }
     let fs = Fs::real();
     let first = first_local_segment(&fs, dir, seg_size)
         .map_err(|e| e.to_string())?
