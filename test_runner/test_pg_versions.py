@@ -261,3 +261,70 @@ def test_an_unsupported_or_mixed_version_is_refused(safekeeper):
     assert code is None, err
     assert "mixed major versions within a timeline are refused" in err, err
     assert timeline(safekeeper)["pg_version"] == 170010
+
+
+# Fills the current segment until less than two pages are left (PostgreSQL's own
+# 026_overwrite_contrecord test does the same), so the next large record crosses into the next.
+FILL_SEGMENT = """DO $$
+DECLARE
+    seg int := setting::int FROM pg_settings WHERE name = 'wal_segment_size';
+BEGIN
+    LOOP
+        INSERT INTO filler SELECT g, 'filler' FROM generate_series(1, 10) g;
+        EXIT WHEN seg - (pg_current_wal_insert_lsn() - '0/0') % seg < 2 * 8192;
+    END LOOP;
+END
+$$"""
+
+
+@pytest.mark.parametrize("major", PG_MAJORS)
+def test_a_record_abandoned_by_a_crashed_primary_is_relayed_and_overwritten(
+    major, safekeeper_factory, pg_factory, tmp_path
+):
+    """A primary crashes with a large record half on disk: its first part in one segment, the
+    segment holding the rest lost. Restarted, the primary abandons the record and writes the
+    page where it would have continued with XLP_FIRST_IS_OVERWRITE_CONTRECORD. The relay, which
+    had not seen the record, streams both: the safekeepers accept the WAL, commit what follows,
+    and hold exactly the primary's segments, which decode record by record."""
+    primary = pg_factory("primary", major).init(wal_keep_size="'1GB'").start()
+    primary.psql("CREATE TABLE filler (a int, b text)")
+    sks = [safekeeper_factory(i).start() for i in (1, 2, 3)]
+    relay = WalProposerRelay(sks, primary, "wp_slot", tmp_path)
+    try:
+        start = lsn_int(wait_committed(sks[0], primary.current_lsn(), relay)["local_start_lsn"])
+        relay.stop()
+
+        primary.psql(FILL_SEGMENT)
+        first = primary.psql("SELECT pg_walfile_name(pg_current_wal_insert_lsn())")
+        primary.psql("SELECT pg_logical_emit_message(true, 'abandoned', repeat('xyzxz', 123456))")
+        lost = primary.psql("SELECT pg_walfile_name(pg_current_wal_insert_lsn())")
+        assert first != lost
+        primary.stop("immediate")
+        (primary.datadir / "pg_wal" / lost).unlink()
+        primary.start()
+        primary.psql("CREATE TABLE after_crash AS SELECT 'hello' AS v")
+        head = (primary.datadir / "pg_wal" / lost).read_bytes()[:4]
+        assert int.from_bytes(head[2:4], "little") & 0x0008, "XLP_FIRST_IS_OVERWRITE_CONTRECORD"
+
+        relay = WalProposerRelay(sks, primary, "wp_slot", tmp_path)
+        target = primary.current_lsn()
+        for sk in sks:
+            wait_committed(sk, target, relay)
+        end = lsn_int(timeline(sks[0])["commit_lsn"])
+        relay.stop()
+    finally:
+        relay.kill()
+    for sk in sks:
+        assert sk.stop() == 0
+    primary.stop()
+    for sk in sks:
+        tl_dir = next(sk.datadir.glob("*/*/safekeeper.control")).parent
+        assert wal_verify(tl_dir, start, end)["records"] > 0
+        for name in (first, lost):
+            ours = tl_dir / name
+            # A segment still being written ends with the committed WAL: compare up to there.
+            upto = SEG
+            if not ours.exists():
+                ours, upto = tl_dir / f"{name}.partial", (end % SEG) or SEG
+            theirs = (primary.datadir / "pg_wal" / name).read_bytes()
+            assert ours.read_bytes()[:upto] == theirs[:upto], (sk.node_id, name)
