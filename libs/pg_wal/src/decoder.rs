@@ -14,8 +14,8 @@
 use crate::format::{
     LongPageHeader, MAX_RECORD_LEN, PageHeader, RM_XLOG_ID, SIZE_OF_XLOG_LONG_PHD,
     SIZE_OF_XLOG_RECORD, XLOG_RECORD_CRC_OFFS, XLOG_SWITCH, XLP_ALL_FLAGS, XLP_FIRST_IS_CONTRECORD,
-    XLP_FIRST_IS_OVERWRITE_CONTRECORD,
-    XLP_LONG_HEADER, XLR_RMGR_INFO_MASK, XLogRecordHeader, page_header_size,
+    XLP_FIRST_IS_OVERWRITE_CONTRECORD, XLP_LONG_HEADER, XLR_RMGR_INFO_MASK, XLogRecordHeader,
+    page_header_size,
 };
 use crate::lsn::{Lsn, XLOG_BLCKSZ};
 use crate::version::PgMajor;
@@ -593,7 +593,9 @@ mod tests {
         let cut = b.start.page_start().0 + 2 * 8192;
         assert!(cut < b.end.0);
         bytes.truncate((cut - start.0) as usize);
-        let mut g2 = WalGenerator::new(7, SEG, Lsn(cut)).unwrap().with_prev(a.start);
+        let mut g2 = WalGenerator::new(7, SEG, Lsn(cut))
+            .unwrap()
+            .with_prev(a.start);
         let c = g2.append_logical_message(&mut bytes, b"c");
         let at = (cut - start.0) as usize;
         bytes[at + 2..at + 4].copy_from_slice(&flag.to_le_bytes());
