@@ -233,7 +233,15 @@ impl Timeline {
             Some(n) if Lsn(n * seg_size) > control.local_start_lsn => Lsn(n * seg_size),
             _ => control.local_start_lsn,
         };
-        verify_committed_wal(fs, dir, seg_size, major, verify_from, control.commit_lsn)?;
+        verify_committed_wal(fs, dir, seg_size, major, verify_from, control.commit_lsn).map_err(
+            |e| match e {
+                storage::Error::Corruption { file, reason } => storage::Error::Corruption {
+                    file,
+                    reason: format!("{reason}: refusing to start"),
+                },
+                other => other,
+            },
+        )?;
         let reader = wal.reader();
         let acceptor =
             SafeKeeper::new(node_id, control, wal).map_err(|source| TimelineError::Acceptor {

@@ -12,10 +12,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Parser;
-use pg_wal::{Lsn, PgMajor, WalStreamDecoder};
+use pg_wal::{Lsn, PgMajor};
 use safekeeper::control_file::{self, CONTROL_FILE_NAME};
 use safekeeper::wal_store::first_local_segment;
-use safekeeper::wal_store::reader::WalReader;
+use safekeeper::wal_store::recovery::verify_committed_wal;
 use sk_core::storage::fs::Fs;
 
 /// Decode a timeline directory's WAL record by record and check every record's CRC.
@@ -32,9 +32,6 @@ struct Args {
     #[arg(long)]
     to: Option<Lsn>,
 }
-
-/// Bytes read and decoded at a time.
-const CHUNK: usize = 1 << 20;
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -73,27 +70,8 @@ fn verify(args: &Args) -> Result<serde_json::Value, String> {
     if to < from {
         return Err(format!("nothing to decode: end {to} is below start {from}"));
     }
-    let reader = WalReader::on(fs, dir, seg_size);
-    let mut decoder = WalStreamDecoder::new(from, seg_size, major);
-    let mut records = 0u64;
-    let mut buf = vec![0u8; CHUNK];
-    let mut pos = from;
-    while pos < to {
-        let n = (CHUNK as u64).min(to.0 - pos.0) as usize;
-        reader
-            .read_into(pos, &mut buf[..n])
-            .map_err(|e| e.to_string())?;
-        decoder
-            .feed_with(&buf[..n], |_| records += 1)
-            .map_err(|e| format!("after {records} valid records: {e}"))?;
-        pos = Lsn(pos.0 + n as u64);
-    }
-    let end = decoder.last_record_end();
-    if end != to {
-        return Err(format!(
-            "the WAL up to {to} ends inside a record: the last complete one ends at {end}"
-        ));
-    }
+    let records =
+        verify_committed_wal(&fs, dir, seg_size, major, from, to).map_err(|e| e.to_string())?;
     Ok(serde_json::json!({
         "pg_version": state.server.pg_version,
         "major": major.number(),
