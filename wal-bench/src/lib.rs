@@ -10,11 +10,16 @@
 //!   of timed regions;
 //! - [`Acceptor`]: the real `WalAcceptor` pipeline stage (`receive_wal::spawn_acceptor`) driven
 //!   without a socket;
-//! - [`CpuProfile`]: a 99 Hz CPU profile running in the background (profiler overhead benches).
+//! - [`CpuProfile`]: a 99 Hz CPU profile running in the background (profiler overhead benches);
+//! - [`raw_client`]: an independent, minimal protocol-v3 proposer (hand-encoded frames over
+//!   blocking sockets) that commits one append at a time, and [`raw_client::Tail`], the
+//!   percentiles of a latency sample (`src/bin/commit-tail.rs`, the `e2e_commit_raw` bench).
 //!
 //! What it leaves to others: the allocator (each bench binary calls
 //! `profiling::global_allocator!()`, so benches run on jemalloc with heap profiling on, as the
 //! daemon does) and the measurements themselves.
+
+pub mod raw_client;
 
 use std::path::PathBuf;
 use std::sync::Arc;

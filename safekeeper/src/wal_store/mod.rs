@@ -53,7 +53,7 @@ pub use prepare::{Background, Inline, PREPARED_SEGMENT_NAME, Runner, Threads};
 pub use reader::{MAX_READ_LEN, WalReader};
 pub use recovery::{find_end_of_wal, sync_recovered_wal, verify_committed_wal};
 pub use segment::{PARTIAL_SUFFIX, TMP_SEGMENT_NAME, segment_path};
-use segment::{SegmentFile, create_segment, open_segment, write_zeros};
+use segment::{SegmentFile, Zeros, create_segment, open_segment, write_zeros};
 
 /// Options of a [`WalFileStore`].
 #[derive(Clone, Debug, Default)]
@@ -481,7 +481,7 @@ impl WalFileStore {
         let to = (end + ZERO_AHEAD).min(self.seg_size);
         let zeroed = self.with_segment(segno, |seg| {
             seg.dirty = true;
-            write_zeros(&*seg.file, from, to)
+            write_zeros(&*seg.file, from, to, Zeros::Pages)
                 .map_err(|e| Error::io(format!("writing zeros ahead in {}", seg.path.display()), e))
         });
         match zeroed {
@@ -655,7 +655,7 @@ impl WalStore for WalFileStore {
         };
         if let Some((f, path, partial)) = seg {
             if self.opts.zero_fill {
-                write_zeros(&*f, end_off, self.seg_size)
+                write_zeros(&*f, end_off, self.seg_size, Zeros::Bulk)
             } else {
                 f.set_len(end_off).and_then(|()| f.set_len(self.seg_size))
             }

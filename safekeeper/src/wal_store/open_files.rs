@@ -73,6 +73,12 @@ struct Entry {
 
 impl Lru {
     fn touch(&mut self, id: u64) {
+        if let Some(e) = self.entries.get(&id)
+            && e.tick == self.tick
+        {
+            // The most recently used already (a store appending alone): nothing moves.
+            return;
+        }
         self.tick += 1;
         let tick = self.tick;
         if let Some(e) = self.entries.get_mut(&id) {

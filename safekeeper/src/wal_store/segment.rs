@@ -70,15 +70,45 @@ fn open_segment_as(
     Ok(None)
 }
 
-/// Zero-filled 1 MiB block for [`write_zeros`].
-const ZEROS_LEN: usize = 1 << 20;
+/// How [`write_zeros`] writes: the size of its `pwrite`s.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Zeros {
+    /// One page per `pwrite`, for zeros that small WAL appends will overwrite soon, in the
+    /// open segment (zero-ahead). Linux (6.16 on, ext4) gives a write page-cache folios by the
+    /// write's length, and every later write into a folio walks all of the folio's blocks
+    /// (`ext4_block_write_begin`, `block_commit_write`): zeros written 1 MiB at a time made
+    /// each small append into them cost 3x its `pwrite` into a sparse file (wal-bench
+    /// `process_msg/fsync=false/commit=false/size=8`: 3.8 µs, 2.0 µs with page-sized zeros,
+    /// against 0.7 µs for `pwrite/size=8`).
+    Pages,
+    /// 64 KiB per `pwrite`, for whole blank segments made off the ingest path (background
+    /// preparation, truncation): 16 times fewer system calls than pages, folios small enough
+    /// for the appends into them (1 MiB pieces put `process_msg` back at 3.5 µs), and a
+    /// write-back that costs the commits of other nodes on the same disk less than pages did
+    /// (three safekeepers on one disk, page-sized preparation: mean commit 1.4-2x slower in 4
+    /// of 4 alternating runs; 64 KiB: 0.6x the mean of the 1 MiB build in 2 of 2).
+    Bulk,
+}
 
 /// Writes real zeros over `[from, to)` of `f` (allocating the blocks, unlike `set_len`).
-pub(super) fn write_zeros(f: &dyn FileHandle, from: u64, to: u64) -> std::io::Result<()> {
-    let zeros = vec![0u8; ZEROS_LEN.min((to - from) as usize)];
+pub(super) fn write_zeros(
+    f: &dyn FileHandle,
+    from: u64,
+    to: u64,
+    how: Zeros,
+) -> std::io::Result<()> {
+    const PAGE: usize = 4096;
+    let piece = match how {
+        Zeros::Pages => PAGE,
+        Zeros::Bulk => 64 << 10,
+    };
+    let zeros = vec![0u8; piece.min((to - from) as usize)];
     let mut off = from;
     while off < to {
-        let n = ((to - off) as usize).min(zeros.len());
+        // Page-aligned pieces: a page piece never straddles two pages.
+        let n = ((to - off) as usize)
+            .min(zeros.len())
+            .min(piece - (off as usize % PAGE));
         f.write_all_at(&zeros[..n], off)?;
         off += n as u64;
     }
@@ -99,7 +129,7 @@ pub(super) fn write_blank_segment(
         .open(path, OpenMode::CreateTruncate)
         .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
     if zero_fill {
-        write_zeros(&*f, 0, seg_size)
+        write_zeros(&*f, 0, seg_size, Zeros::Bulk)
     } else {
         f.set_len(seg_size)
     }

@@ -1180,3 +1180,37 @@ fn a_pipelined_stream_writes_no_zeros_ahead() {
         );
     });
 }
+
+/// Zeros land on exactly `[from, to)`, whatever the alignment, in both write sizes; the bytes
+/// around the range are left alone.
+#[test]
+fn write_zeros_covers_exactly_the_range_in_pages_and_in_bulk() {
+    use super::segment::{Zeros, write_zeros};
+    use sk_core::storage::fs::OpenMode;
+    let dir = tempfile::tempdir().unwrap();
+    for how in [Zeros::Pages, Zeros::Bulk] {
+        for (from, to) in [
+            (0, 4096),
+            (1, 4095),
+            (4000, 9000),
+            (5, 200_000),
+            (65_530, 65_542),
+        ] {
+            let path = dir.path().join("z");
+            let len = 210_000usize;
+            std::fs::write(&path, vec![0xAAu8; len]).unwrap();
+            let f = Fs::real().open(&path, OpenMode::ReadWrite).unwrap();
+            write_zeros(&*f, from, to, how).unwrap();
+            drop(f);
+            let got = std::fs::read(&path).unwrap();
+            for (i, b) in got.iter().enumerate() {
+                let want = if (from as usize..to as usize).contains(&i) {
+                    0
+                } else {
+                    0xAA
+                };
+                assert_eq!(*b, want, "{how:?} [{from}, {to}) at byte {i}");
+            }
+        }
+    }
+}
