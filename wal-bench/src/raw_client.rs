@@ -279,7 +279,7 @@ impl Tail {
         if samples.is_empty() {
             return None;
         }
-        let mut us: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+        let mut us: Vec<f64> = samples.iter().map(|d| d.as_nanos() as f64 / 1e3).collect();
         us.sort_by(f64::total_cmp);
         let rank = |p: f64| us[((p * us.len() as f64).ceil() as usize).clamp(1, us.len()) - 1];
         Some(Tail {
