@@ -14,6 +14,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 from fixtures.daemon import RELEASE_DIR, REPO
 
 TARGET = RELEASE_DIR.parent
@@ -69,19 +71,25 @@ def test_profile_time_without_naming_the_bench():
     assert_flamegraph(svg, started, "process_msg")
 
 
-def test_the_independent_commit_client_commits_real_wal(safekeeper):
-    """wal-bench's commit-tail (the bench report's independent protocol-v3 client and tail
-    rows): its commits are real, decodable WAL in the daemon's timeline, and its summary is
-    ordered."""
+@pytest.fixture(scope="module")
+def commit_tail() -> Path:
+    """wal-bench's commit-tail and the echo peer it starts, built in release."""
     subprocess.run(
         ["cargo", "build", "-q", "--release", "-p", "wal-bench"]
         + ["--bin", "commit-tail", "--bin", "echo-peer"],
         cwd=REPO,
         check=True,
     )
+    return RELEASE_DIR / "commit-tail"
+
+
+def test_the_independent_commit_client_commits_real_wal(commit_tail, safekeeper):
+    """wal-bench's commit-tail (the bench report's independent protocol-v3 client and tail
+    rows): its commits are real, decodable WAL in the daemon's timeline, and its summary is
+    ordered."""
     samples, warm_up = 300, 20
     out = subprocess.run(
-        [str(RELEASE_DIR / "commit-tail"), "commit"]
+        [str(commit_tail), "commit"]
         + ["--safekeeper", f"127.0.0.1:{safekeeper.pg_port}"]
         + ["--samples", str(samples), "--warm-up", str(warm_up)],
         capture_output=True,
@@ -103,16 +111,16 @@ def test_the_independent_commit_client_commits_real_wal(safekeeper):
     assert verified["records"] >= samples + warm_up - 1, verified
 
 
-def test_disk_and_echo_baselines_run():
+def test_disk_and_echo_baselines_run(commit_tail, tmp_path):
     """The physical limits the tail rows divide by: raw pwrite + fdatasync (one file and two at
     once) and the echo round trip, summarised the same way."""
     for args in (
-        ["disk", "--dir", str(TARGET)],
-        ["disk", "--dir", str(TARGET), "--files", "2"],
+        ["disk", "--dir", str(tmp_path)],
+        ["disk", "--dir", str(tmp_path), "--files", "2"],
         ["echo"],
     ):
         out = subprocess.run(
-            [str(RELEASE_DIR / "commit-tail"), *args, "--samples", "200", "--warm-up", "10"],
+            [str(commit_tail), *args, "--samples", "200", "--warm-up", "10"],
             capture_output=True,
             text=True,
             timeout=300,

@@ -13,7 +13,7 @@
 //! - [`CpuProfile`]: a 99 Hz CPU profile running in the background (profiler overhead benches);
 //! - [`raw_client`]: an independent, minimal protocol-v3 proposer (hand-encoded frames over
 //!   blocking sockets) that commits one append at a time, and [`raw_client::Tail`], the
-//!   percentiles of a latency sample (`src/bin/commit-tail.rs`, the `e2e_commit_raw` bench).
+//!   percentiles of a latency sample (used by `src/bin/commit-tail.rs`).
 //!
 //! What it leaves to others: the allocator (each bench binary calls
 //! `profiling::global_allocator!()`, so benches run on jemalloc with heap profiling on, as the
@@ -201,12 +201,16 @@ pub fn proposer_config(safekeepers: Vec<SafekeeperAddr>) -> ProposerConfig {
     }
 }
 
-/// `commits` single commits of `size` bytes of WAL each, one at a time: a record of
-/// `size - 60` payload bytes is just over `size` bytes of WAL, so each `size`-byte chunk the
-/// synthetic source asks for is exactly one record, and one commit.
+/// A record of `size - COMMIT_RECORD_OVERHEAD` payload bytes (one logical message) is just over
+/// `size` bytes of WAL: what the single-commit benches subtract to make one commit one record.
+pub const COMMIT_RECORD_OVERHEAD: usize = 60;
+
+/// `commits` single commits of `size` bytes of WAL each, one at a time: each `size`-byte
+/// chunk the synthetic source asks for is exactly one record ([`COMMIT_RECORD_OVERHEAD`]), and
+/// one commit.
 pub fn single_commits(size: usize, commits: u64) -> SyntheticOptions {
     SyntheticOptions {
-        record_size: size - 60,
+        record_size: size - COMMIT_RECORD_OVERHEAD,
         total_bytes: commits * size as u64,
         rate: None,
         chunk_bytes: size,

@@ -5,7 +5,7 @@
 //! Nothing is batched, pipelined or optimised on this side, so a commit's latency is the
 //! safekeepers' own cost plus the loopback round trip.
 
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -19,10 +19,6 @@ use crate::{SEG_SIZE, START, SYSID};
 
 /// PostgreSQL 15.18, as the bench proposers say.
 const PG_VERSION: u32 = 150018;
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
 
 /// One libpq message: tag, length (itself included), body.
 fn message(tag: u8, body: &[u8]) -> Vec<u8> {
@@ -79,23 +75,20 @@ fn mconf(out: &mut Vec<u8>) {
     out.extend_from_slice(&0u32.to_be_bytes()); // new members
 }
 
-/// One connection in the COPY BOTH stream of `START_WAL_PUSH`, after the election.
-struct Conn {
-    writer: BufWriter<TcpStream>,
-}
-
 fn copy_data(payload: &[u8]) -> Vec<u8> {
     message(b'd', payload)
 }
 
 /// Connects, starts the WAL push, greets and wins the vote at term 1, and sends
-/// ProposerElected. Returns the writer and the reader of the stream.
-fn elect(addr: SocketAddr, t: TenantTimelineId) -> anyhow::Result<(Conn, BufReader<TcpStream>)> {
-    let stream = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
-    stream.set_nodelay(true)?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut w = stream.try_clone()?;
-    let (tenant, timeline) = (hex(&t.tenant_id.0), hex(&t.timeline_id.0));
+/// ProposerElected. Returns the stream (to write appends to) and its reader.
+fn elect(
+    addr: SocketAddr,
+    t: TenantTimelineId,
+) -> anyhow::Result<(TcpStream, BufReader<TcpStream>)> {
+    let mut w = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
+    w.set_nodelay(true)?;
+    let mut reader = BufReader::new(w.try_clone()?);
+    let (tenant, timeline) = (t.tenant_id.to_string(), t.timeline_id.to_string());
 
     let mut startup = Vec::new();
     startup.extend_from_slice(&196608u32.to_be_bytes());
@@ -158,28 +151,22 @@ fn elect(addr: SocketAddr, t: TenantTimelineId) -> anyhow::Result<(Conn, BufRead
     e.extend_from_slice(&1u64.to_be_bytes());
     e.extend_from_slice(&START.0.to_be_bytes());
     w.write_all(&copy_data(&e))?;
-    Ok((
-        Conn {
-            writer: BufWriter::with_capacity(256 << 10, w),
-        },
-        reader,
-    ))
+    Ok((w, reader))
 }
 
-impl Conn {
-    fn append(&mut self, begin: Lsn, wal: &[u8], commit: Lsn) -> io::Result<()> {
-        let mut a = Vec::with_capacity(45 + wal.len());
-        a.push(b'a');
-        a.extend_from_slice(&0u32.to_be_bytes());
-        a.extend_from_slice(&1u64.to_be_bytes());
-        a.extend_from_slice(&begin.0.to_be_bytes());
-        a.extend_from_slice(&(begin.0 + wal.len() as u64).to_be_bytes());
-        a.extend_from_slice(&commit.0.to_be_bytes());
-        a.extend_from_slice(&0u64.to_be_bytes()); // truncate_lsn
-        a.extend_from_slice(wal);
-        self.writer.write_all(&copy_data(&a))?;
-        self.writer.flush()
-    }
+/// The CopyData frame of an AppendRequest of `wal` at `begin` (term 1), committing `commit`:
+/// encoded once, sent as is to every safekeeper.
+fn append_frame(begin: Lsn, wal: &[u8], commit: Lsn) -> Vec<u8> {
+    let mut a = Vec::with_capacity(45 + wal.len());
+    a.push(b'a');
+    a.extend_from_slice(&0u32.to_be_bytes());
+    a.extend_from_slice(&1u64.to_be_bytes());
+    a.extend_from_slice(&begin.0.to_be_bytes());
+    a.extend_from_slice(&(begin.0 + wal.len() as u64).to_be_bytes());
+    a.extend_from_slice(&commit.0.to_be_bytes());
+    a.extend_from_slice(&0u64.to_be_bytes()); // truncate_lsn
+    a.extend_from_slice(wal);
+    copy_data(&a)
 }
 
 /// Reads AppendResponses and reports `(connection, flush_lsn)` until the stream ends.
@@ -205,13 +192,12 @@ fn read_replies(i: usize, mut r: BufReader<TcpStream>, tx: mpsc::Sender<(usize, 
 
 /// Latencies of `commits` commits of one ~`size`-byte record each, on a fresh timeline `t` of
 /// the safekeepers at `addrs` (all of them greeted and elected first; a commit needs a
-/// majority). The first `warm_up` commits are not counted.
+/// majority).
 pub fn commit_latencies(
     addrs: &[SocketAddr],
     t: TenantTimelineId,
     size: usize,
     commits: usize,
-    warm_up: usize,
 ) -> anyhow::Result<Vec<Duration>> {
     ensure!(!addrs.is_empty(), "no safekeeper");
     ensure!(size > 100, "size {size} is below one record");
@@ -228,17 +214,18 @@ pub fn commit_latencies(
     }
     drop(tx);
     let mut generator = WalGenerator::new(SYSID, SEG_SIZE, START)?;
-    let payload = vec![b'x'; size - 60];
+    let payload = vec![b'x'; size - crate::COMMIT_RECORD_OVERHEAD];
     let mut committed = START;
     let mut flushed = vec![0u64; addrs.len()];
     let mut out = Vec::with_capacity(commits);
-    for n in 0..warm_up + commits {
+    for _ in 0..commits {
         let (pos, wal) = generator.next_record(&payload);
         let begin = pos.chunk_start;
         let end = begin.0 + wal.len() as u64;
         let t = Instant::now();
+        let frame = append_frame(begin, &wal, committed);
         for c in &mut conns {
-            c.append(begin, &wal, committed)?;
+            c.write_all(&frame)?;
         }
         while flushed.iter().filter(|&&f| f >= end).count() < quorum {
             let (i, f) = rx
@@ -246,12 +233,15 @@ pub fn commit_latencies(
                 .context("no AppendResponse for 30 s")?;
             flushed[i] = flushed[i].max(f);
         }
-        if n >= warm_up {
-            out.push(t.elapsed());
-        }
+        out.push(t.elapsed());
         committed = Lsn(end);
     }
     Ok(out)
+}
+
+/// `d` in microseconds, from its whole nanoseconds (exact for whole microseconds).
+pub fn micros(d: Duration) -> f64 {
+    d.as_nanos() as f64 / 1e3
 }
 
 /// Summary of a latency sample: the figures the bench report puts side by side.
@@ -279,7 +269,7 @@ impl Tail {
         if samples.is_empty() {
             return None;
         }
-        let mut us: Vec<f64> = samples.iter().map(|d| d.as_nanos() as f64 / 1e3).collect();
+        let mut us: Vec<f64> = samples.iter().copied().map(micros).collect();
         us.sort_by(f64::total_cmp);
         let rank = |p: f64| us[((p * us.len() as f64).ceil() as usize).clamp(1, us.len()) - 1];
         Some(Tail {

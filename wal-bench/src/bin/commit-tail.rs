@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, ensure};
 use clap::{Parser, Subcommand};
 use sk_core::types::{TenantId, TenantTimelineId, TimelineId};
-use wal_bench::raw_client::{Tail, commit_latencies};
+use wal_bench::raw_client::{Tail, commit_latencies, micros};
 
 profiling::global_allocator!();
 
@@ -80,22 +80,17 @@ fn main() -> anyhow::Result<()> {
         ),
         What::Echo => ("echo".to_string(), echo(args.size, total)?),
         What::Commit { safekeepers } => {
-            let samples = commit_latencies(
-                safekeepers,
-                fresh_ttid(),
-                args.size,
-                args.samples,
-                args.warm_up,
-            )?;
+            let samples = commit_latencies(safekeepers, fresh_ttid(), args.size, total)?;
             (format!("commit/safekeepers={}", safekeepers.len()), samples)
         }
     };
+    // The first `--warm-up` samples of every measurement are dropped.
     let kept = &samples[samples.len().saturating_sub(args.samples)..];
     let tail = Tail::of(kept).context("no samples")?;
     if let Some(path) = &args.dump {
         let lines: String = kept
             .iter()
-            .map(|d| format!("{:.1}\n", d.as_secs_f64() * 1e6))
+            .map(|&d| format!("{:.1}\n", micros(d)))
             .collect();
         std::fs::write(path, lines).with_context(|| format!("writing {}", path.display()))?;
     }
