@@ -54,7 +54,7 @@ use tokio::sync::mpsc;
 use crate::control_file;
 use crate::peer::PeerClient;
 use crate::registry::GlobalTimelines;
-use crate::timeline::{TermRead, Timeline, TimelineError};
+use crate::timeline::{SnapshotPoint, TermRead, Timeline, TimelineError};
 use crate::wal_store::segment::segment_path;
 use crate::wal_store::verify_committed_wal;
 
@@ -86,7 +86,7 @@ pub fn snapshot_body(tl: Arc<Timeline>, remote: bool) -> Body {
     let span = crate::timeline::span(&tl.ttid);
     crate::blocking::spawn(move || {
         let _span = span.entered();
-        match produce(&tl, remote, &tx) {
+        match produce(tl, remote, &tx) {
             Ok(bytes) => tracing::info!(bytes, "snapshot served"),
             Err(e) => {
                 tracing::warn!("snapshot aborted: {e}");
@@ -100,32 +100,101 @@ pub fn snapshot_body(tl: Arc<Timeline>, remote: bool) -> Body {
 
 /// Sends the snapshot's frames; returns the WAL bytes sent.
 fn produce(
-    tl: &Timeline,
+    tl: Arc<Timeline>,
     remote: bool,
     tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
 ) -> Result<u64, String> {
-    let send = |b: Bytes| {
-        tx.blocking_send(Ok(b))
-            .map_err(|_| "the puller went away".to_string())
-    };
-    // Holds the WAL from removal until the transfer ends (dropped with `p`).
-    let p = tl.snapshot_point(remote)?;
-    send(Bytes::from_static(SNAPSHOT_MAGIC))?;
-    send(frame(
-        FRAME_CONTROL,
-        &[
-            &p.start.0.to_le_bytes(),
-            &p.flush.0.to_le_bytes(),
-            &control_file::encode(&p.state),
-        ],
-    ))?;
-    let mut pos = p.start;
-    let mut crc = 0u32;
-    let mut buf = Vec::with_capacity(CHUNK as usize);
-    while pos < p.flush {
+    let mut snap = Snapshot::begin(tl, remote)?;
+    while let Some(f) = snap.next_frame()? {
+        tx.blocking_send(Ok(f))
+            .map_err(|_| "the puller went away".to_string())?;
+    }
+    Ok(snap.wal_bytes())
+}
+
+/// A snapshot being produced, one frame at a time ([`Snapshot::next_frame`]): its starting
+/// point is read at [`Snapshot::begin`] and its WAL held from removal until it is dropped; each
+/// WAL frame is read under the acceptor lock in the snapshot's term and newest WAL's term.
+pub struct Snapshot {
+    tl: Arc<Timeline>,
+    p: SnapshotPoint,
+    /// Frames sent so far: the magic, the control frame, then WAL from `pos` on.
+    sent_header: u8,
+    pos: Lsn,
+    crc: u32,
+    ended: bool,
+    buf: Vec<u8>,
+}
+
+impl Snapshot {
+    /// Chooses the snapshot's point ([`Timeline::snapshot_point`]). Blocking.
+    pub fn begin(tl: Arc<Timeline>, remote: bool) -> Result<Snapshot, String> {
+        let p = tl.snapshot_point(remote)?;
+        Ok(Snapshot {
+            tl,
+            pos: p.start,
+            p,
+            sent_header: 0,
+            crc: 0,
+            ended: false,
+            buf: Vec::new(),
+        })
+    }
+
+    /// The WAL it sends: `[start, flush)`.
+    pub fn range(&self) -> (Lsn, Lsn) {
+        (self.p.start, self.p.flush)
+    }
+
+    /// Whether the END frame was produced.
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
+    /// WAL bytes the snapshot holds.
+    pub fn wal_bytes(&self) -> u64 {
+        self.p.flush.0 - self.p.start.0
+    }
+
+    /// The next frame (the magic counts as one), `None` after the END frame; an error if the
+    /// timeline's history changed since [`Snapshot::begin`] (the stream must then end without
+    /// its END frame). Blocking (file reads under the acceptor lock).
+    pub fn next_frame(&mut self) -> Result<Option<Bytes>, String> {
+        match self.sent_header {
+            0 => {
+                self.sent_header = 1;
+                return Ok(Some(Bytes::from_static(SNAPSHOT_MAGIC)));
+            }
+            1 => {
+                self.sent_header = 2;
+                return Ok(Some(frame(
+                    FRAME_CONTROL,
+                    &[
+                        &self.p.start.0.to_le_bytes(),
+                        &self.p.flush.0.to_le_bytes(),
+                        &control_file::encode(&self.p.state),
+                    ],
+                )));
+            }
+            _ => {}
+        }
+        if self.ended {
+            return Ok(None);
+        }
+        let (p, pos) = (&self.p, self.pos);
+        if pos >= p.flush {
+            self.ended = true;
+            return Ok(Some(frame(
+                FRAME_END,
+                &[&p.flush.0.to_le_bytes(), &self.crc.to_le_bytes()],
+            )));
+        }
         let end = Lsn((pos.0 + CHUNK).min(p.flush.0));
-        buf.clear();
-        match tl.read_wal_in_term(p.term, Some(p.last_log_term), pos, end, &mut buf) {
+        self.buf.clear();
+        match self
+            .tl
+            .read_wal_in_term(p.term, Some(p.last_log_term), pos, end, &mut self.buf)
+        {
             Ok(TermRead::Read) => {}
             Ok(TermRead::TermChanged(t)) => {
                 return Err(format!(
@@ -147,15 +216,10 @@ fn produce(
             }
             Err(e) => return Err(format!("reading WAL at {pos}: {e}")),
         }
-        crc = crc32c::crc32c_append(crc, &buf);
-        send(frame(FRAME_WAL, &[&pos.0.to_le_bytes(), &buf]))?;
-        pos = end;
+        self.crc = crc32c::crc32c_append(self.crc, &self.buf);
+        self.pos = end;
+        Ok(Some(frame(FRAME_WAL, &[&pos.0.to_le_bytes(), &self.buf])))
     }
-    send(frame(
-        FRAME_END,
-        &[&p.flush.0.to_le_bytes(), &crc.to_le_bytes()],
-    ))?;
-    Ok(p.flush.0 - p.start.0)
 }
 
 /// A response body fed by a bounded channel.
@@ -249,19 +313,58 @@ pub fn pull_timeline(
                 .map_err(|e| format!("{host}: flush_lsn: {e}"))?;
             Ok(((s.last_log_term, flush), s.node_id, s.mconf))
         }) {
-            Ok((pos, id, mconf)) => answers.push((pos, host.clone(), id, mconf)),
+            Ok((pos, id, mconf)) => answers.push(PeerAnswer {
+                pos,
+                host: host.clone(),
+                id,
+                mconf,
+            }),
             Err(e) => failures.push(e),
         }
     }
-    // The newest configuration any of them knows says whose majority is needed.
+    let (source, best) = choose_source(answers, &failures, hosts.len())?;
+    tracing::info!(%source, best_term = %best.0, best_flush = %best.1, "pulling from the most advanced peer");
+    let path = format!(
+        "/v1/tenant/{}/timeline/{}/snapshot?remote={}",
+        ttid.tenant_id,
+        ttid.timeline_id,
+        timelines.remote_storage_on()
+    );
+    let stream = client.get(&source, &path).map_err(PullError::Peer)?;
+    let mut r = BufReader::with_capacity(1 << 20, stream);
+    pull_from(timelines, ttid, &tmp, &mut r, &source, best)
+}
+
+/// One peer's answer to the pull's status request.
+#[derive(Clone, Debug)]
+pub struct PeerAnswer {
+    /// Its newest WAL's term and its durable end of WAL.
+    pub pos: (Term, Lsn),
+    /// The address it was asked at.
+    pub host: String,
+    /// Its node id.
+    pub id: sk_core::types::NodeId,
+    /// The membership configuration it knows.
+    pub mconf: sk_core::state::Configuration,
+}
+
+/// Which peer to copy from: the most advanced by (newest WAL's term, flush LSN) among those
+/// that answered, once they are a quorum ([`crate::manager::pull_quorum`], of the newest
+/// configuration any of them knows) — a majority holds every committed byte, so the most
+/// advanced of it does too. Returns its host and position.
+pub fn choose_source(
+    mut answers: Vec<PeerAnswer>,
+    failures: &[String],
+    hosts: usize,
+) -> Result<(String, (Term, Lsn)), PullError> {
     let mconf = answers
         .iter()
-        .map(|a| &a.3)
+        .map(|a| &a.mconf)
         .max_by_key(|m| m.generation)
         .cloned()
         .unwrap_or_default();
-    let ids: Vec<_> = answers.iter().map(|a| a.2).collect();
-    if let Err(why) = crate::manager::pull_quorum(&ids, &mconf, hosts.len()) {
+    let ids: Vec<_> = answers.iter().map(|a| a.id).collect();
+    if let Err(why) = crate::manager::pull_quorum(&ids, &mconf, hosts) {
         let failed = if failures.is_empty() {
             String::new()
         } else {
@@ -269,66 +372,62 @@ pub fn pull_timeline(
         };
         return Err(PullError::Peer(format!("{why}{failed}")));
     }
-    answers.sort_by_key(|a| a.0);
-    let ((best_term, best_flush), source, _, _) = answers.pop().expect("a quorum answered");
-    tracing::info!(%source, %best_term, %best_flush, "pulling from the most advanced peer");
+    answers.sort_by_key(|a| a.pos);
+    let best = answers.pop().expect("a quorum answered");
+    Ok((best.host, best.pos))
+}
 
+/// Receives a snapshot of `ttid` from `source` (read from `r`) into `tmp` (the pull's own
+/// directory, [`GlobalTimelines::begin_pull`]), verifies it, and installs it
+/// ([`GlobalTimelines::install_pulled`]). `best` is the source's status: an older snapshot is
+/// refused. On any error nothing is installed and `tmp` is removed. Blocking.
+pub fn pull_from(
+    timelines: &GlobalTimelines,
+    ttid: TenantTimelineId,
+    tmp: &Path,
+    r: &mut impl Read,
+    source: &str,
+    best: (Term, Lsn),
+) -> Result<Pulled, PullError> {
     let fs = timelines.fs().clone();
-    fs.create_dir_all(&tmp)
+    fs.create_dir_all(tmp)
         .map_err(|e| TimelineError::io(format!("creating {}", tmp.display()), e))?;
-    let result = receive(
-        timelines,
-        client,
-        &fs,
-        &tmp,
-        &source,
-        ttid,
-        (best_term, best_flush),
-    );
-    let (start, flush) = match result {
+    let (start, flush) = match receive(timelines, &fs, tmp, r, source, ttid, best) {
         Ok(r) => r,
         Err(e) => {
-            let _ = fs.remove_dir_all(&tmp);
+            let _ = fs.remove_dir_all(tmp);
             return Err(e);
         }
     };
-    timelines.install_pulled(ttid, &tmp, flush)?;
+    timelines.install_pulled(ttid, tmp, flush)?;
     Ok(Pulled {
-        source,
+        source: source.to_string(),
         start_lsn: start,
         flush_lsn: flush,
         wal_bytes: flush.0 - start.0,
     })
 }
 
-/// Streams the snapshot of `source` into `tmp`, verifies it and makes every file durable.
+/// Reads the snapshot of `source` from `r` into `tmp`, verifies it and makes every file durable.
 /// Returns the WAL range received.
 fn receive(
     timelines: &GlobalTimelines,
-    client: &PeerClient,
     fs: &Fs,
     tmp: &Path,
+    r: &mut impl Read,
     source: &str,
     ttid: TenantTimelineId,
     (best_term, best_flush): (Term, Lsn),
 ) -> Result<(Lsn, Lsn), PullError> {
     let no_sync = timelines.no_sync();
     let peer = |m: String| PullError::Peer(format!("{source}: {m}"));
-    let path = format!(
-        "/v1/tenant/{}/timeline/{}/snapshot?remote={}",
-        ttid.tenant_id,
-        ttid.timeline_id,
-        timelines.remote_storage_on()
-    );
-    let mut r =
-        BufReader::with_capacity(1 << 20, client.get(source, &path).map_err(PullError::Peer)?);
     let mut magic = [0u8; 8];
     r.read_exact(&mut magic)
         .map_err(|e| peer(format!("reading the snapshot: {e}")))?;
     if &magic != SNAPSHOT_MAGIC {
         return Err(peer("not a snapshot stream".into()));
     }
-    let (kind, control) = read_frame(&mut r).map_err(peer)?;
+    let (kind, control) = read_frame(r).map_err(peer)?;
     if kind != FRAME_CONTROL || control.len() < 16 {
         return Err(peer(
             "the snapshot does not start with its control frame".into(),
@@ -379,7 +478,7 @@ fn receive(
     let mut crc = 0u32;
     let slow = sk_core::failpoint::active("pull-slow");
     loop {
-        let (kind, payload) = read_frame(&mut r).map_err(peer)?;
+        let (kind, payload) = read_frame(r).map_err(peer)?;
         match kind {
             FRAME_WAL => {
                 if payload.len() < 8 {
@@ -455,6 +554,16 @@ fn receive(
     // The WAL decodes, record by record, up to the snapshot's end.
     verify_committed_wal(fs, tmp, seg_size, major, start, flush)
         .map_err(|e| peer(format!("the pulled WAL does not verify: {e}")))?;
+    if start > state.local_start_lsn.max(state.timeline_start_lsn) {
+        // The snapshot starts at the donor's backed-up point: the WAL below is committed (the
+        // point is at or below the donor's commit LSN) and stored. The copy's LSNs say so; its
+        // control file is the donor's *persisted* state, whose commit LSN may lag below `start`,
+        // and start-up would search the end of WAL from there, below the copy's first segment
+        // (found by the manager's simulation: the copy opened with its WAL ending at the old
+        // commit LSN).
+        state.commit_lsn = state.commit_lsn.max(start);
+        state.backup_lsn = state.backup_lsn.max(start);
+    }
     state.local_start_lsn = start;
     control_file::FileControlStore::create_new_in(fs.clone(), tmp, state, no_sync)
         .map_err(TimelineError::from)?;
@@ -486,3 +595,6 @@ fn read_frame(r: &mut impl Read) -> Result<(u8, Vec<u8>), String> {
         .map_err(|e| format!("the snapshot ended early: {e}"))?;
     Ok((head[0], payload))
 }
+
+#[cfg(test)]
+mod tests;

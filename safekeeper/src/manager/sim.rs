@@ -83,6 +83,8 @@ struct Sim {
     store_down: bool,
     now: Duration,
     crashes: u64,
+    /// Pulls: installed, refused (aborted snapshots), and puller power losses among them.
+    pulls: [u64; 3],
     trace: bool,
     log: Vec<String>,
 }
@@ -121,6 +123,7 @@ impl Sim {
             store_down: false,
             now: Duration::ZERO,
             crashes: 0,
+            pulls: [0; 3],
             trace: std::env::var("MANAGER_SIM_TRACE").is_ok(),
             log: Vec::new(),
         };
@@ -337,21 +340,150 @@ impl Sim {
                 self.seed,
                 self.proposer.acked
             );
-            self.proposer.term += 1;
-            let mut history: Vec<(u64, Lsn)> = tl
-                .status()
-                .term_history
-                .0
-                .iter()
-                .map(|e| (e.term.0, e.lsn))
-                .collect();
-            history.push((self.proposer.term, flush));
-            run(&tl, ProposerAcceptorMessage::Greeting(greeting(7, SEG)));
-            elect(&tl, self.proposer.term, &history);
+            self.reelect(&tl);
             self.attach(tl);
             // Where a loss would show: right after the restart.
             self.check_content();
         }
+    }
+
+    /// A new proposer is elected in the next term at the end of `tl`'s WAL.
+    fn reelect(&mut self, tl: &Timeline) {
+        let flush = tl.positions().flush_lsn;
+        self.proposer.term += 1;
+        let mut history: Vec<(u64, Lsn)> = tl
+            .status()
+            .term_history
+            .0
+            .iter()
+            .map(|e| (e.term.0, e.lsn))
+            .collect();
+        history.push((self.proposer.term, flush));
+        run(tl, ProposerAcceptorMessage::Greeting(greeting(7, SEG)));
+        elect(tl, self.proposer.term, &history);
+        self.note(format!("term {} elected at {flush}", self.proposer.term));
+    }
+
+    /// A new node pulls the timeline (issue 26): the snapshot is produced frame by frame while
+    /// the donor goes on (appends, its manager's actions, a new term), and the puller, on a
+    /// disk of its own and with the same store, may lose power at any point of the pull. The
+    /// pull yields a verified copy of every acknowledged byte below the snapshot's end (the
+    /// WAL below its start served from the store), or a clear refusal; a crashed puller
+    /// restarts with the whole copy or none of it.
+    fn pull(&mut self) {
+        let Some(live) = &self.live else { return };
+        let tl = live.tl.clone();
+        // What the puller's status request saw.
+        let best = (tl.status().last_log_term, tl.positions().flush_lsn);
+        let mut snap = match crate::pull::Snapshot::begin(tl.clone(), true) {
+            Ok(s) => s,
+            Err(e) => panic!("seed {}: no snapshot point: {e}", self.seed),
+        };
+        let (start, flush) = snap.range();
+        let mut bytes = Vec::new();
+        let mut aborted = None;
+        loop {
+            match snap.next_frame() {
+                Ok(Some(f)) => bytes.extend_from_slice(&f),
+                Ok(None) => break,
+                Err(e) => {
+                    aborted = Some(e);
+                    break;
+                }
+            }
+            // The donor goes on meanwhile.
+            match self.rng.random_range(0..12) {
+                0..3 => self.append(),
+                3..7 => self.perform(),
+                7 => self.reelect(&tl),
+                _ => {}
+            }
+            if !self.live.as_ref().is_some_and(|l| Arc::ptr_eq(&l.tl, &tl)) {
+                // The donor crashed (right after a removal): its stream ends here, whole if
+                // its END frame was sent.
+                if !snap.ended() {
+                    aborted = Some("the donor crashed".to_string());
+                }
+                break;
+            }
+        }
+        drop(snap);
+        self.note(format!(
+            "snapshot [{start}, {flush}) of {} bytes, aborted: {aborted:?}",
+            bytes.len()
+        ));
+        let (psim, pfs) = SimFs::with_dir(Path::new(DATADIR));
+        let puller = load(&pfs);
+        puller.set_remote_storage(true);
+        let (tmp, guard) = crate::blocking::section(|| puller.begin_pull(&self.ttid))
+            .expect("the first pull on a new node begins");
+        let crash_at = self.rng.random_range(0..80);
+        let crash = self.rng.random_bool(0.3);
+        if crash {
+            psim.arm_crash_after(crash_at);
+        }
+        let r = crate::blocking::section(|| {
+            crate::pull::pull_from(&puller, self.ttid, &tmp, &mut &bytes[..], "donor", best)
+        });
+        drop(guard);
+        let crashed = crash && psim.crash_point_reached();
+        self.pulls[if r.is_ok() { 0 } else { 1 }] += 1;
+        self.pulls[2] += u64::from(crashed);
+        self.note(format!(
+            "pull -> {:?}, puller crashed: {crashed}",
+            r.as_ref().map(|p| p.flush_lsn).map_err(|e| e.to_string())
+        ));
+        let puller = if crashed || self.rng.random_bool(0.3) {
+            // The puller loses power (at its crash point, or after the pull) and restarts.
+            drop(puller);
+            let mut rng = StdRng::seed_from_u64(self.rng.random());
+            psim.power_loss(&mut |n| rng.random_range(0..=n));
+            match GlobalTimelines::load_in(pfs.clone(), Path::new(DATADIR), NodeId(1), false) {
+                Ok(t) => t,
+                Err(e) => panic!(
+                    "seed {}: the puller does not start after a power loss in its pull: {e}\n{}",
+                    self.seed,
+                    self.replay_hint()
+                ),
+            }
+        } else {
+            psim.disarm();
+            puller
+        };
+        match (&r, aborted) {
+            (Err(e), Some(why)) => assert!(
+                e.to_string().contains("ended early"),
+                "seed {}: an aborted snapshot ({why}) is refused as such, not: {e}",
+                self.seed
+            ),
+            (Ok(_), Some(why)) => panic!(
+                "seed {}: a snapshot aborted by {why} was installed\n{}",
+                self.seed,
+                self.replay_hint()
+            ),
+            (Err(e), None) if !crashed => panic!(
+                "seed {}: a whole snapshot [{start}, {flush}) was refused: {e}\n{}",
+                self.seed,
+                self.replay_hint()
+            ),
+            _ => {}
+        }
+        let Some(pulled) = puller.get(&self.ttid) else {
+            assert!(
+                crashed || r.is_err(),
+                "seed {}: a pull that succeeded is gone after a power loss",
+                self.seed
+            );
+            return;
+        };
+        // Installed (before or despite the crash): the whole, verified copy.
+        assert_eq!(
+            pulled.positions().flush_lsn,
+            flush,
+            "seed {}: the pulled timeline ends elsewhere than its snapshot",
+            self.seed
+        );
+        self.check_content_of(&pulled, &pfs, flush);
     }
 
     /// The operator deletes the timeline: the manager stops, its work in flight is dropped.
@@ -459,6 +591,7 @@ impl Sim {
             }
             88..92 => self.crash(),
             92..94 if self.live.is_some() && self.rng.random_bool(0.3) => self.delete(),
+            94 if self.live.is_some() => self.pull(),
             _ if self.live.is_none() => self.after_delete(),
             _ => self.perform(),
         }
@@ -509,7 +642,13 @@ impl Sim {
     fn check_content(&mut self) {
         let Some(live) = &self.live else { return };
         let tl = live.tl.clone();
-        let acked = self.proposer.acked;
+        let (fs, acked) = (self.fs.clone(), self.proposer.acked);
+        self.check_content_of(&tl, &fs, acked);
+    }
+
+    /// `tl`'s WAL below `acked` (on `fs`, or in the store where `fs` has no segment) is the
+    /// WAL the proposer sent.
+    fn check_content_of(&self, tl: &Timeline, fs: &Fs, acked: Lsn) {
         let mut segno = START.segment_number(SEG);
         while Lsn(segno * SEG) < acked {
             let from = Lsn((segno * SEG).max(START.0));
@@ -523,7 +662,7 @@ impl Sim {
                     [false, true].map(|p| crate::wal_store::segment_path(&tl.dir, segno, SEG, p));
                 let f = names
                     .iter()
-                    .find_map(|p| self.fs.open(p, sk_core::storage::fs::OpenMode::Read).ok())
+                    .find_map(|p| fs.open(p, sk_core::storage::fs::OpenMode::Read).ok())
                     .expect("the local segment opens");
                 let mut buf = vec![0u8; (to.0 - from.0) as usize];
                 sk_core::storage::fs::read_full_at(&*f, &mut buf, from.segment_offset(SEG))
@@ -574,8 +713,9 @@ fn steps() -> u64 {
     env_u64("MANAGER_SIM_STEPS").unwrap_or(200)
 }
 
-/// Runs one seed; returns how many segments were removed and crashes survived.
-fn run_seed(seed: u64) -> (u64, u64) {
+/// Runs one seed; returns how many segments were removed, crashes survived, and pulls
+/// (installed, refused, puller crashes).
+fn run_seed(seed: u64) -> (u64, u64, [u64; 3]) {
     let mut s = Sim::new(seed);
     let mut removed = 0;
     for i in 0..steps() {
@@ -587,30 +727,41 @@ fn run_seed(seed: u64) -> (u64, u64) {
         let _ = i;
     }
     s.check_content();
-    (removed, s.crashes)
+    (removed, s.crashes, s.pulls)
 }
 
 #[test]
 fn manager_sim_seeds() {
     let seeds = env_u64("MANAGER_SIM_SEEDS").unwrap_or(1000);
     let base = env_u64("MANAGER_SIM_BASE").unwrap_or(0);
-    let (mut removed, mut crashes) = (0, 0);
+    let (mut removed, mut crashes, mut pulls) = (0, 0, [0; 3]);
     for seed in base..base + seeds {
-        let (r, c) = run_seed(seed);
+        let (r, c, p) = run_seed(seed);
         removed += r;
         crashes += c;
+        for (t, n) in pulls.iter_mut().zip(p) {
+            *t += n;
+        }
     }
-    eprintln!("{seeds} seeds: {removed} segments removed, {crashes} crashes survived");
+    eprintln!(
+        "{seeds} seeds: {removed} segments removed, {crashes} crashes survived; pulls: {} \
+         installed, {} refused, {} puller power losses mid-pull",
+        pulls[0], pulls[1], pulls[2]
+    );
     // The schedule does exercise removal and crashes (a simulation that never removes proves
     // nothing about removal).
     assert!(removed > seeds, "removal ran too rarely: {removed}");
     assert!(crashes > seeds, "crashes ran too rarely: {crashes}");
+    assert!(
+        pulls[0] > seeds / 2 && pulls[1] > 0 && pulls[2] > 0,
+        "pulls ran too rarely: {pulls:?}"
+    );
 }
 
 #[test]
 #[ignore = "replays MANAGER_SIM_SEED"]
 fn manager_sim_replay_one_seed() {
     let seed = env_u64("MANAGER_SIM_SEED").expect("set MANAGER_SIM_SEED=<seed>");
-    let (removed, crashes) = run_seed(seed);
-    eprintln!("seed {seed}: {removed} segments removed, {crashes} crashes");
+    let (removed, crashes, pulls) = run_seed(seed);
+    eprintln!("seed {seed}: {removed} segments removed, {crashes} crashes, pulls {pulls:?}");
 }
