@@ -209,16 +209,31 @@ impl RemoteStorage {
         if let Some(root) = self.local_root.clone() {
             // The removals are durable before the deletion counts as done.
             let dir = root.join(prefix.as_ref());
-            crate::blocking::spawn(move || {
-                let _ = std::fs::remove_dir_all(&dir);
-                if let Some(parent) = dir.parent() {
-                    // As before this helper existed: a directory that cannot be synced is
-                    // not an error of the deletion.
-                    let _ = sync_dirs_up_to(&root, parent);
+            crate::blocking::spawn(move || -> anyhow::Result<()> {
+                match std::fs::remove_dir_all(&dir) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        return Err(e).with_context(|| format!("removing {}", dir.display()));
+                    }
+                }
+                // The nearest directory above that still exists (a timeline or tenant that
+                // never had an object has no directory) holds the removal: it and every one
+                // above it are synced, or the deletion is not done (and is retried).
+                let mut parent = dir.parent();
+                while let Some(p) = parent
+                    && p != root
+                    && !p.exists()
+                {
+                    parent = p.parent();
+                }
+                match parent {
+                    Some(p) if p.starts_with(&root) => sync_dirs_up_to(&root, p),
+                    _ => Ok(()),
                 }
             })
             .await
-            .context("fsync task")?;
+            .context("fsync task")??;
         }
         Ok(n)
     }
