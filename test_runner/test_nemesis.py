@@ -5,6 +5,8 @@ seeded schedule of faults in between:
 
 - kill -9 of a safekeeper at a random moment, or right after it removed a segment;
 - store outages (the S3 server frozen);
+- a full disk on one node (every WAL write fails with ENOSPC for a while: failpoint
+  `wal-write-enospc` of the `safekeeper-testing` build the cluster runs), then space returns;
 - another timeline deleted on every node and created again with the same ids (refused while
   its remote objects are being deleted; its objects are gone before it exists again);
 - one replacement of a node by pull_timeline and a membership switch (`local-cluster
@@ -159,6 +161,8 @@ def test_nemesis(tmp_path, seed):
     cluster = Cluster(tmp_path, 4)
     cluster.env.update(store.env)
     cluster.env["LOCAL_CLUSTER_SK_ARGS"] = f"--remote-storage {store.url} --wal-keep-size 0"
+    # The testing build: the same daemon plus failpoints (the full-disk fault).
+    cluster.env["LOCAL_CLUSTER_SK_BIN"] = str(RELEASE_DIR / "safekeeper-testing")
     out = cluster.run("start", "3")
     assert out.returncode == 0, out.stderr
     members = [1, 2, 3]
@@ -187,7 +191,7 @@ def test_nemesis(tmp_path, seed):
         replace_at = rng.randrange(STEPS)
         for step in range(STEPS):
             live = [i for i in members]
-            fault = rng.choice(["kill", "kill-after-removal", "outage", "recreate"])
+            fault = rng.choice(["kill", "kill-after-removal", "outage", "recreate", "disk-full"])
             if step == replace_at:
                 fault = "replace"
             faults.append(fault)
@@ -213,6 +217,13 @@ def test_nemesis(tmp_path, seed):
                 store.proc.send_signal(signal.SIGSTOP)
                 time.sleep(rng.uniform(0.5, 3))
                 store.proc.send_signal(signal.SIGCONT)
+            elif fault == "disk-full":
+                victim = rng.choice(live)
+                full_disk(cluster, victim, True)
+                time.sleep(rng.uniform(0.5, 3))
+                # The node kept serving while its writes failed.
+                assert status(cluster, victim)["flush_lsn"], f"seed {seed}: node {victim} status"
+                full_disk(cluster, victim, False)
             elif fault == "recreate":
                 recreate_other_timeline(cluster, store, members, seed)
             elif fault == "replace":
@@ -290,6 +301,16 @@ def test_nemesis(tmp_path, seed):
     finally:
         cluster.run("stop")
         store.close()
+
+
+def full_disk(cluster: Cluster, i: int, full: bool) -> None:
+    """Node `i`'s WAL writes fail with ENOSPC (`full`) or work again."""
+    r = requests.put(
+        f"{cluster.sk(i).http}/v1/failpoints",
+        params={"name": "wal-write-enospc", "active": str(full).lower()},
+        timeout=5,
+    )
+    assert r.ok, r.text
 
 
 def create_everywhere(cluster: Cluster, members: list[int], create: dict, seed: int) -> None:
