@@ -189,11 +189,15 @@ def test_nemesis(tmp_path, seed):
         wait_until(lambda: max(e for e, _ in ledger(ack_log) or [(0, None)]) > 4 * SEG, "commits")
         # One replacement per run, at a seeded step; the other faults at random.
         replace_at = rng.randrange(STEPS)
+        # And one full disk at another seeded step (more may come at random).
+        full_at = (replace_at + 1 + rng.randrange(STEPS - 1)) % STEPS
         for step in range(STEPS):
             live = [i for i in members]
             fault = rng.choice(["kill", "kill-after-removal", "outage", "recreate", "disk-full"])
             if step == replace_at:
                 fault = "replace"
+            elif step == full_at:
+                fault = "disk-full"
             faults.append(fault)
             print(f"step {step}: {fault}")
             if fault in ("kill", "kill-after-removal"):
@@ -219,8 +223,19 @@ def test_nemesis(tmp_path, seed):
                 store.proc.send_signal(signal.SIGCONT)
             elif fault == "disk-full":
                 victim = rng.choice(live)
+                log = cluster.dir / f"sk{victim}" / "safekeeper.log"
+                before = log.read_text(errors="replace").count("no space left on device")
                 full_disk(cluster, victim, True)
                 time.sleep(rng.uniform(0.5, 3))
+                # The fault took: the node refused appends for want of space.
+                wait_until(
+                    lambda log=log, before=before: log.read_text(errors="replace").count(
+                        "no space left on device"
+                    )
+                    > before,
+                    f"node {victim} refusing appends with ENOSPC",
+                    timeout=30,
+                )
                 # The node kept serving while its writes failed.
                 assert status(cluster, victim)["flush_lsn"], f"seed {seed}: node {victim} status"
                 full_disk(cluster, victim, False)
@@ -284,6 +299,7 @@ def test_nemesis(tmp_path, seed):
         }
         assert len(digest) == 1, f"seed {seed}: the members' WAL differs"
         assert replaced, "the schedule replaced no node"
+        assert "disk-full" in faults, "the schedule filled no disk"
         if replaced:
             st = status(cluster, members[0])
             assert sorted(m["id"] for m in st["mconf"]["members"]) == sorted(members), st
