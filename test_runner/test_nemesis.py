@@ -38,6 +38,7 @@ import requests
 from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, lsn_int, wait_until
 from fixtures.tools import require
 from test_crash import check_ledger, ledger
+from test_faults import failpoint
 from test_node_replacement import TL_PATH, Cluster
 from test_wal_lifecycle import BUCKET, S3Store
 
@@ -225,7 +226,7 @@ def test_nemesis(tmp_path, seed):
                 victim = rng.choice(live)
                 log = cluster.dir / f"sk{victim}" / "safekeeper.log"
                 before = log.read_text(errors="replace").count("no space left on device")
-                full_disk(cluster, victim, True)
+                failpoint(cluster.sk(victim), "wal-write-enospc", True)
                 time.sleep(rng.uniform(0.5, 3))
                 # The fault took: the node refused appends for want of space.
                 wait_until(
@@ -238,7 +239,7 @@ def test_nemesis(tmp_path, seed):
                 )
                 # The node kept serving while its writes failed.
                 assert status(cluster, victim)["flush_lsn"], f"seed {seed}: node {victim} status"
-                full_disk(cluster, victim, False)
+                failpoint(cluster.sk(victim), "wal-write-enospc", False)
             elif fault == "recreate":
                 recreate_other_timeline(cluster, store, members, seed)
             elif fault == "replace":
@@ -317,16 +318,6 @@ def test_nemesis(tmp_path, seed):
     finally:
         cluster.run("stop")
         store.close()
-
-
-def full_disk(cluster: Cluster, i: int, full: bool) -> None:
-    """Node `i`'s WAL writes fail with ENOSPC (`full`) or work again."""
-    r = requests.put(
-        f"{cluster.sk(i).http}/v1/failpoints",
-        params={"name": "wal-write-enospc", "active": str(full).lower()},
-        timeout=5,
-    )
-    assert r.ok, r.text
 
 
 def create_everywhere(cluster: Cluster, members: list[int], create: dict, seed: int) -> None:

@@ -118,12 +118,22 @@ fn produce(
 pub struct Snapshot {
     tl: Arc<Timeline>,
     p: SnapshotPoint,
-    /// Frames sent so far: the magic, the control frame, then WAL from `pos` on.
-    sent_header: u8,
+    next: Next,
+    /// The next WAL frame's start.
     pos: Lsn,
+    /// CRC-32C of the WAL sent so far.
     crc: u32,
-    ended: bool,
     buf: Vec<u8>,
+}
+
+/// The frame a [`Snapshot`] produces next.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Next {
+    Magic,
+    Control,
+    /// WAL frames from `pos`, then END.
+    Wal,
+    Done,
 }
 
 impl Snapshot {
@@ -134,9 +144,8 @@ impl Snapshot {
             tl,
             pos: p.start,
             p,
-            sent_header: 0,
+            next: Next::Magic,
             crc: 0,
-            ended: false,
             buf: Vec::new(),
         })
     }
@@ -148,7 +157,7 @@ impl Snapshot {
 
     /// Whether the END frame was produced.
     pub fn ended(&self) -> bool {
-        self.ended
+        self.next == Next::Done
     }
 
     /// WAL bytes the snapshot holds.
@@ -160,13 +169,13 @@ impl Snapshot {
     /// timeline's history changed since [`Snapshot::begin`] (the stream must then end without
     /// its END frame). Blocking (file reads under the acceptor lock).
     pub fn next_frame(&mut self) -> Result<Option<Bytes>, String> {
-        match self.sent_header {
-            0 => {
-                self.sent_header = 1;
+        match self.next {
+            Next::Magic => {
+                self.next = Next::Control;
                 return Ok(Some(Bytes::from_static(SNAPSHOT_MAGIC)));
             }
-            1 => {
-                self.sent_header = 2;
+            Next::Control => {
+                self.next = Next::Wal;
                 return Ok(Some(frame(
                     FRAME_CONTROL,
                     &[
@@ -176,14 +185,12 @@ impl Snapshot {
                     ],
                 )));
             }
-            _ => {}
-        }
-        if self.ended {
-            return Ok(None);
+            Next::Wal => {}
+            Next::Done => return Ok(None),
         }
         let (p, pos) = (&self.p, self.pos);
         if pos >= p.flush {
-            self.ended = true;
+            self.next = Next::Done;
             return Ok(Some(frame(
                 FRAME_END,
                 &[&p.flush.0.to_le_bytes(), &self.crc.to_le_bytes()],

@@ -83,8 +83,7 @@ struct Sim {
     store_down: bool,
     now: Duration,
     crashes: u64,
-    /// Pulls: installed, refused (aborted snapshots), and puller power losses among them.
-    pulls: [u64; 3],
+    pulls: PullCounts,
     trace: bool,
     log: Vec<String>,
 }
@@ -123,7 +122,7 @@ impl Sim {
             store_down: false,
             now: Duration::ZERO,
             crashes: 0,
-            pulls: [0; 3],
+            pulls: PullCounts::default(),
             trace: std::env::var("MANAGER_SIM_TRACE").is_ok(),
             log: Vec::new(),
         };
@@ -313,17 +312,7 @@ impl Sim {
         }
         self.note(format!("crash (power loss: {power})"));
         self.crashes += 1;
-        let timelines =
-            GlobalTimelines::load_in(self.fs.clone(), Path::new(DATADIR), NodeId(1), false);
-        let timelines = match timelines {
-            Ok(t) => t,
-            Err(e) => panic!(
-                "seed {}: the node does not start after a crash: {e}\n{}",
-                self.seed,
-                self.replay_hint()
-            ),
-        };
-        timelines.set_remote_storage(true);
+        let timelines = self.restart(&self.fs, "the node");
         self.timelines = Some(timelines);
         assert_eq!(
             self.tls().pending_remote_deletions(),
@@ -344,6 +333,22 @@ impl Sim {
             self.attach(tl);
             // Where a loss would show: right after the restart.
             self.check_content();
+        }
+    }
+
+    /// Starts the node on `fs` again after a crash (`who`: which node, for the failure), with
+    /// remote storage on; a node that does not start fails the seed.
+    fn restart(&self, fs: &Fs, who: &str) -> GlobalTimelines {
+        match GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false) {
+            Ok(t) => {
+                t.set_remote_storage(true);
+                t
+            }
+            Err(e) => panic!(
+                "seed {}: {who} does not start after a crash: {e}\n{}",
+                self.seed,
+                self.replay_hint()
+            ),
         }
     }
 
@@ -427,8 +432,12 @@ impl Sim {
         });
         drop(guard);
         let crashed = crash && psim.crash_point_reached();
-        self.pulls[if r.is_ok() { 0 } else { 1 }] += 1;
-        self.pulls[2] += u64::from(crashed);
+        if r.is_ok() {
+            self.pulls.installed += 1;
+        } else {
+            self.pulls.refused += 1;
+        }
+        self.pulls.puller_crashes += u64::from(crashed);
         self.note(format!(
             "pull -> {:?}, puller crashed: {crashed}",
             r.as_ref().map(|p| p.flush_lsn).map_err(|e| e.to_string())
@@ -438,14 +447,7 @@ impl Sim {
             drop(puller);
             let mut rng = StdRng::seed_from_u64(self.rng.random());
             psim.power_loss(&mut |n| rng.random_range(0..=n));
-            match GlobalTimelines::load_in(pfs.clone(), Path::new(DATADIR), NodeId(1), false) {
-                Ok(t) => t,
-                Err(e) => panic!(
-                    "seed {}: the puller does not start after a power loss in its pull: {e}\n{}",
-                    self.seed,
-                    self.replay_hint()
-                ),
-            }
+            self.restart(&pfs, "the puller")
         } else {
             psim.disarm();
             puller
@@ -705,6 +707,24 @@ impl Sim {
     }
 }
 
+/// What the simulation's pulls did.
+#[derive(Clone, Copy, Debug, Default)]
+struct PullCounts {
+    installed: u64,
+    /// Refused (their snapshots were aborted).
+    refused: u64,
+    /// Pullers that lost power in their pull (among the two above).
+    puller_crashes: u64,
+}
+
+impl std::ops::AddAssign for PullCounts {
+    fn add_assign(&mut self, o: PullCounts) {
+        self.installed += o.installed;
+        self.refused += o.refused;
+        self.puller_crashes += o.puller_crashes;
+    }
+}
+
 fn load(fs: &Fs) -> GlobalTimelines {
     GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false).expect("loads")
 }
@@ -713,9 +733,9 @@ fn steps() -> u64 {
     env_u64("MANAGER_SIM_STEPS").unwrap_or(200)
 }
 
-/// Runs one seed; returns how many segments were removed, crashes survived, and pulls
-/// (installed, refused, puller crashes).
-fn run_seed(seed: u64) -> (u64, u64, [u64; 3]) {
+/// Runs one seed; returns how many segments were removed, crashes survived, and what its
+/// pulls did.
+fn run_seed(seed: u64) -> (u64, u64, PullCounts) {
     let mut s = Sim::new(seed);
     let mut removed = 0;
     for i in 0..steps() {
@@ -734,26 +754,24 @@ fn run_seed(seed: u64) -> (u64, u64, [u64; 3]) {
 fn manager_sim_seeds() {
     let seeds = env_u64("MANAGER_SIM_SEEDS").unwrap_or(1000);
     let base = env_u64("MANAGER_SIM_BASE").unwrap_or(0);
-    let (mut removed, mut crashes, mut pulls) = (0, 0, [0; 3]);
+    let (mut removed, mut crashes, mut pulls) = (0, 0, PullCounts::default());
     for seed in base..base + seeds {
         let (r, c, p) = run_seed(seed);
         removed += r;
         crashes += c;
-        for (t, n) in pulls.iter_mut().zip(p) {
-            *t += n;
-        }
+        pulls += p;
     }
     eprintln!(
         "{seeds} seeds: {removed} segments removed, {crashes} crashes survived; pulls: {} \
          installed, {} refused, {} puller power losses mid-pull",
-        pulls[0], pulls[1], pulls[2]
+        pulls.installed, pulls.refused, pulls.puller_crashes
     );
     // The schedule does exercise removal and crashes (a simulation that never removes proves
     // nothing about removal).
     assert!(removed > seeds, "removal ran too rarely: {removed}");
     assert!(crashes > seeds, "crashes ran too rarely: {crashes}");
     assert!(
-        pulls[0] > seeds / 2 && pulls[1] > 0 && pulls[2] > 0,
+        pulls.installed > seeds / 2 && pulls.refused > 0 && pulls.puller_crashes > 0,
         "pulls ran too rarely: {pulls:?}"
     );
 }
