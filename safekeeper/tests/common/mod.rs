@@ -87,12 +87,27 @@ impl TestDaemon {
 
     /// The status of the test timeline (`ttid()`).
     pub async fn timeline_status(&self) -> serde_json::Value {
-        self.get_json(&format!(
+        self.try_timeline_status()
+            .await
+            .unwrap_or_else(|| panic!("timeline {} not found on {}", ttid(), self.http))
+    }
+
+    /// The status of the test timeline, or `None` while this node does not have it (404): a
+    /// proposer elected by a quorum greets the remaining member a moment later.
+    pub async fn try_timeline_status(&self) -> Option<serde_json::Value> {
+        let path = format!(
             "/v1/tenant/{}/timeline/{}",
             ttid().tenant_id,
             ttid().timeline_id
-        ))
-        .await
+        );
+        let (status, body) = http_get(self.http, &path).await;
+        match status {
+            404 => None,
+            200 => {
+                Some(serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {path}: {body}")))
+            }
+            _ => panic!("GET {path}: HTTP {status}: {body}"),
+        }
     }
 
     /// How many timelines `/v1/timelines` lists.
@@ -155,8 +170,8 @@ pub fn client_config(d: &TestDaemon) -> pq_proto::client::ClientConfig {
     cfg
 }
 
-/// A tiny HTTP/1.0 GET (enough for our JSON API).
-pub async fn http_get_json(addr: SocketAddr, path: &str) -> serde_json::Value {
+/// A tiny HTTP/1.0 GET (enough for our JSON API): the status code and the body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr)
         .await
@@ -167,8 +182,20 @@ pub async fn http_get_json(addr: SocketAddr, path: &str) -> serde_json::Value {
     let mut resp = Vec::new();
     s.read_to_end(&mut resp).await.expect("read");
     let text = String::from_utf8(resp).expect("utf8");
-    let body = text.split("\r\n\r\n").nth(1).expect("body");
-    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"))
+    let (head, body) = text.split_once("\r\n\r\n").expect("a body");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {head}"));
+    (status, body.to_string())
+}
+
+/// A GET that must answer 200 with JSON.
+pub async fn http_get_json(addr: SocketAddr, path: &str) -> serde_json::Value {
+    let (status, body) = http_get(addr, path).await;
+    assert_eq!(status, 200, "GET {path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {path}: {body}"))
 }
 
 pub fn ttid() -> TenantTimelineId {
