@@ -31,6 +31,7 @@ use tower::{BoxError, ServiceBuilder};
 
 use crate::auth::{AuthError, Claims, JwtAuth, Scope, check_permission};
 use crate::config::Conf;
+use crate::manager::DeleteScope;
 use crate::pull::PullError;
 use crate::registry::{CreateTimeline, GlobalTimelines};
 use crate::timeline::{Timeline, TimelineError, TimelineStatus};
@@ -74,9 +75,9 @@ impl From<TimelineError> for ApiError {
             | TimelineError::UnsupportedVersion(_)
             | TimelineError::BadRequest(_) => ApiError::BadRequest(e.to_string()),
             TimelineError::Deleted(_) => ApiError::NotFound(e.to_string()),
-            TimelineError::Exists(_) | TimelineError::BeingDeleted(_) => {
-                ApiError::Conflict(e.to_string())
-            }
+            TimelineError::Exists(_)
+            | TimelineError::BeingDeleted(_)
+            | TimelineError::NotAMember { .. } => ApiError::Conflict(e.to_string()),
             TimelineError::Storage(_) | TimelineError::Acceptor { .. } => {
                 ApiError::Internal(e.into())
             }
@@ -516,17 +517,38 @@ struct Deleted {
     timelines: usize,
 }
 
+/// `?only_local=true` on a delete: this node's copy only, the store's objects stay (they are
+/// the members'); see [`crate::manager::deletes_remote_objects`].
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct DeleteQuery {
+    #[serde(default)]
+    only_local: bool,
+}
+
+impl DeleteQuery {
+    fn scope(&self) -> DeleteScope {
+        if self.only_local {
+            DeleteScope::OnlyLocal
+        } else {
+            DeleteScope::Everywhere
+        }
+    }
+}
+
 /// `DELETE /v1/tenant/{t}/timeline/{tl}`: a durable tombstone, the connections on it end, its
 /// files go durably. 200 also when it did not exist (then only the tombstone is written).
 async fn delete_timeline(
     State(state): State<Arc<AppState>>,
     Path((tenant_id, timeline_id)): Path<(String, String)>,
+    Query(q): Query<DeleteQuery>,
     claims: Option<Extension<Claims>>,
 ) -> Result<Json<Deleted>, ApiError> {
     require_admin(&claims)?;
     let ttid = parse_ttid(&tenant_id, &timeline_id)?;
     let timelines = state.timelines.clone();
-    let existed = blocking(move || timelines.delete_timeline(&ttid)).await??;
+    let scope = q.scope();
+    let existed = blocking(move || timelines.delete_timeline(&ttid, scope)).await??;
     Ok(Json(Deleted {
         existed,
         timelines: usize::from(existed),
@@ -537,6 +559,7 @@ async fn delete_timeline(
 async fn delete_tenant(
     State(state): State<Arc<AppState>>,
     Path(tenant_id): Path<String>,
+    Query(q): Query<DeleteQuery>,
     claims: Option<Extension<Claims>>,
 ) -> Result<Json<Deleted>, ApiError> {
     require_admin(&claims)?;
@@ -544,7 +567,8 @@ async fn delete_tenant(
         .parse()
         .map_err(|e: sk_core::types::IdParseError| ApiError::BadRequest(e.to_string()))?;
     let timelines = state.timelines.clone();
-    let n = blocking(move || timelines.delete_tenant(&tenant_id)).await??;
+    let scope = q.scope();
+    let n = blocking(move || timelines.delete_tenant(&tenant_id, scope)).await??;
     Ok(Json(Deleted {
         existed: n > 0,
         timelines: n,

@@ -496,6 +496,53 @@ pub fn snapshot_start(i: &SnapshotInputs) -> Result<Lsn, String> {
     Ok(start)
 }
 
+/// What a `DELETE` of a timeline removes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeleteScope {
+    /// The timeline everywhere: this node's copy and, with remote storage, its objects in the
+    /// store (shared by every member).
+    Everywhere,
+    /// This node's copy only (`?only_local=true`): retiring a node after a replacement.
+    OnlyLocal,
+}
+
+/// Whether a `DELETE` of a timeline on this node also deletes its objects in the store. They
+/// are one copy shared by every member, and with `--wal-keep-size` below the WAL's size they are
+/// the only copy of its early WAL: a node that the timeline's membership configuration no
+/// longer counts as a member (node 2 after "replace 2 by 4") must leave them to the members,
+/// so such a delete is refused unless it asks for this node's copy only. `mconf` is the
+/// timeline's configuration as this node persisted it (`None`: this node does not have the
+/// timeline, nothing to judge it by). Returns whether the store's objects go too.
+pub fn deletes_remote_objects(
+    scope: DeleteScope,
+    remote: bool,
+    mconf: Option<&sk_core::state::Configuration>,
+    node: sk_core::types::NodeId,
+) -> Result<bool, String> {
+    if scope == DeleteScope::OnlyLocal || !remote {
+        return Ok(false);
+    }
+    if let Some(c) = mconf
+        && c.generation.0 > 0
+        && !c.contains(node)
+    {
+        let ids: Vec<String> = c
+            .members
+            .iter()
+            .chain(c.new_members.iter().flatten())
+            .map(|m| m.id.0.to_string())
+            .collect();
+        return Err(format!(
+            "node {node} is not a member of the timeline's generation {} (members {}): its \
+             objects in remote storage belong to them; delete this node's copy only with \
+             ?only_local=true",
+            c.generation,
+            ids.join(", ")
+        ));
+    }
+    Ok(true)
+}
+
 /// Whether the peers that answered a pull's status requests can tell the newest copy: a
 /// majority of the timeline's members (of each half of a joint configuration) for a timeline
 /// with a membership configuration, else a majority of the hosts asked.

@@ -32,6 +32,7 @@ use sk_core::storage::fs::{Fs, OpenMode};
 use sk_core::types::{NodeId, TenantId, TenantTimelineId, TimelineId};
 
 use crate::control_file::{CONTROL_FILE_NAME, FileControlStore};
+use crate::manager::DeleteScope;
 use crate::timeline::{Timeline, TimelineError};
 use crate::wal_store::OpenFiles;
 
@@ -527,12 +528,7 @@ impl GlobalTimelines {
     }
 
     /// Writes tombstone `name` durably (its directory entry fsynced), marking its remote
-    /// objects to delete when the node backs WAL up.
-    fn write_tombstone(&self, name: &str) -> Result<(), TimelineError> {
-        self.write_tombstone_with(name, self.remote_on.load(Ordering::SeqCst))
-    }
-
-    /// [`GlobalTimelines::write_tombstone`], with or without a pending remote deletion.
+    /// objects to delete if `remote`.
     fn write_tombstone_with(&self, name: &str, remote: bool) -> Result<(), TimelineError> {
         let fs = &self.fs;
         let dir = self.datadir.join(TOMBSTONE_DIR);
@@ -600,12 +596,40 @@ impl GlobalTimelines {
         Ok(())
     }
 
+    /// Whether a delete of `scope` of the timelines `tls` here also deletes their objects in
+    /// the store ([`crate::manager::deletes_remote_objects`]: refused on a node that is not a
+    /// member of one of them).
+    fn deletes_remote(&self, scope: DeleteScope, tls: &[Arc<Timeline>]) -> Result<bool, String> {
+        let remote = self.remote_on.load(Ordering::SeqCst);
+        let mut all = crate::manager::deletes_remote_objects(scope, remote, None, self.node_id)?;
+        for tl in tls {
+            let mconf = tl.mconf();
+            all &=
+                crate::manager::deletes_remote_objects(scope, remote, Some(&mconf), self.node_id)
+                    .map_err(|r| format!("timeline {}: {r}", tl.ttid))?;
+        }
+        Ok(all)
+    }
+
     /// The operator's delete of one timeline: a durable tombstone first (a late proposer
     /// cannot recreate it, a crash midway finishes the deletion at start-up), then its
-    /// connections end, then its directory goes durably. Returns whether it existed. Blocking.
-    pub fn delete_timeline(&self, ttid: &TenantTimelineId) -> Result<bool, TimelineError> {
+    /// connections end, then its directory goes durably; with `scope` everywhere (and remote
+    /// storage) the tombstone also records that its objects in the store are to be deleted.
+    /// Returns whether it existed. Blocking.
+    pub fn delete_timeline(
+        &self,
+        ttid: &TenantTimelineId,
+        scope: DeleteScope,
+    ) -> Result<bool, TimelineError> {
         let _deleting = self.create_lock.lock().expect("create lock");
-        self.write_tombstone(&timeline_tombstone(ttid))?;
+        let here: Vec<Arc<Timeline>> = self.get(ttid).into_iter().collect();
+        let remote =
+            self.deletes_remote(scope, &here)
+                .map_err(|reason| TimelineError::NotAMember {
+                    what: format!("timeline {ttid}"),
+                    reason,
+                })?;
+        self.write_tombstone_with(&timeline_tombstone(ttid), remote)?;
         let tl = self.map.lock().expect("timelines lock").remove(ttid);
         if let Some(tl) = &tl {
             tl.mark_deleted();
@@ -619,16 +643,31 @@ impl GlobalTimelines {
             remove_durably(&self.fs, &self.datadir, &dir, self.no_sync)?;
         }
         self.changed.notify_one();
-        tracing::info!(%ttid, existed, "timeline deleted over HTTP");
+        tracing::info!(%ttid, existed, remote, "timeline deleted over HTTP");
         Ok(existed || tl.is_some())
     }
 
     /// The operator's delete of a whole tenant, as [`GlobalTimelines::delete_timeline`] with
     /// one tombstone for the tenant (any timeline of it, known here or not). Returns how many
     /// timelines it had here. Blocking.
-    pub fn delete_tenant(&self, tenant_id: &TenantId) -> Result<usize, TimelineError> {
+    pub fn delete_tenant(
+        &self,
+        tenant_id: &TenantId,
+        scope: DeleteScope,
+    ) -> Result<usize, TimelineError> {
         let _deleting = self.create_lock.lock().expect("create lock");
-        self.write_tombstone(&tenant_id.to_string())?;
+        let here: Vec<Arc<Timeline>> = self
+            .all()
+            .into_iter()
+            .filter(|t| t.ttid.tenant_id == *tenant_id)
+            .collect();
+        let remote =
+            self.deletes_remote(scope, &here)
+                .map_err(|reason| TimelineError::NotAMember {
+                    what: format!("tenant {tenant_id}"),
+                    reason,
+                })?;
+        self.write_tombstone_with(&tenant_id.to_string(), remote)?;
         let gone: Vec<Arc<Timeline>> = {
             let mut map = self.map.lock().expect("timelines lock");
             let ids: Vec<_> = map
@@ -1061,7 +1100,9 @@ mod tests {
             let (sim, fs, timelines) = node();
             timelines.get_or_create(&g, true).unwrap();
             sim.arm_crash_after(ops);
-            timelines.delete_timeline(&g.ttid()).unwrap();
+            timelines
+                .delete_timeline(&g.ttid(), DeleteScope::Everywhere)
+                .unwrap();
             let cut = sim.crash_point_reached();
             drop(timelines);
             sim.power_loss(&mut |_| 0);

@@ -706,6 +706,11 @@ impl Timeline {
         self.node_id
     }
 
+    /// The membership configuration as this node persisted it.
+    pub fn mconf(&self) -> sk_core::state::Configuration {
+        self.view.lock().state.mconf.clone()
+    }
+
     /// Connected proposers.
     pub fn proposer_count(&self) -> usize {
         self.proposers.load(Ordering::Relaxed)
@@ -895,6 +900,14 @@ pub enum TimelineError {
          retry once the deletion finished"
     )]
     BeingDeleted(TenantTimelineId),
+    /// A delete that would remove objects in remote storage that belong to other nodes.
+    #[error("refusing to delete {what} everywhere: {reason}")]
+    NotAMember {
+        /// The timeline or tenant.
+        what: String,
+        /// Why, and what to do instead.
+        reason: String,
+    },
     /// An explicit create of a timeline that exists.
     #[error("timeline {0} exists already")]
     Exists(TenantTimelineId),
@@ -940,6 +953,7 @@ impl TimelineError {
             | TimelineError::Deleted(_)
             | TimelineError::Exists(_)
             | TimelineError::BeingDeleted(_)
+            | TimelineError::NotAMember { .. }
             | TimelineError::BadRequest(_)
             | TimelineError::BadSegmentSize(_)
             | TimelineError::UnsupportedVersion(_)

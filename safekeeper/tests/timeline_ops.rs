@@ -236,3 +236,122 @@ async fn deleted_tenant_takes_every_timeline_and_stays_deleted() {
     assert!(err.contains("was deleted"), "{err}");
     d.stop().await.unwrap();
 }
+
+/// The timeline's objects in the `file://` store under `store` (an upload in progress is a
+/// `name#n` file there until it is renamed into place).
+fn stored_segments(store: &std::path::Path) -> Vec<String> {
+    let dir = store
+        .join(ttid().tenant_id.to_string())
+        .join(ttid().timeline_id.to_string());
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .map(|it| {
+            it.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// The store's objects are one copy shared by every member (with `--wal-keep-size 0`, the only
+/// copy of the early WAL): a node that is no longer a member of the timeline (node 2 after
+/// "replace 2 by 3") is refused a delete everywhere, with the way out named; its
+/// `?only_local=true` delete leaves the store alone; a member's delete then deletes the objects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_is_no_longer_a_member_deletes_only_its_own_copy() {
+    let (d1dir, d2dir, store) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let url = format!("file://{}", store.path().display());
+    let start = |dir: std::path::PathBuf, id: u64| {
+        let url = url.clone();
+        async move {
+            TestDaemon::start_with(&dir, id, move |c| {
+                c.remote_storage = Some(url);
+                c.wal_keep_size = 0;
+            })
+            .await
+        }
+    };
+    let (d1, d2) = (
+        start(d1dir.path().into(), 1).await,
+        start(d2dir.path().into(), 2).await,
+    );
+    let p = walproposer::Proposer::elect(common::proposer_config(
+        vec![d1.addr(), d2.addr()],
+        Lsn(SEG_SIZE),
+    ))
+    .await
+    .expect("elected");
+    let opts = walproposer::synthetic::SyntheticOptions {
+        total_bytes: SEG_SIZE + (1 << 20),
+        ..Default::default()
+    };
+    walproposer::synthetic::run(&p, &opts).await.expect("WAL");
+    p.wait_commit(p.progress().end_lsn).await.expect("commit");
+    p.finish(std::time::Duration::from_secs(5)).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let settled = |names: &[String]| !names.is_empty() && !names.iter().any(|n| n.contains('#'));
+    while !settled(&stored_segments(store.path())) {
+        assert!(std::time::Instant::now() < deadline, "no segment backed up");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let stored = stored_segments(store.path());
+
+    // Node 3 took node 2's place: generation 1 is {1, 3}, on node 2 as well.
+    for d in [&d1, &d2] {
+        let (code, body) = http_request(
+            d.http,
+            "PUT",
+            &format!("{}/membership", tl_path()),
+            Some(&membership(1, &[1, 3])),
+        )
+        .await;
+        assert_eq!(code, 200, "{body}");
+    }
+    let (code, body) = http_request(d2.http, "DELETE", &tl_path(), None).await;
+    assert_eq!(code, 409, "{body}");
+    assert!(
+        body.contains("not a member") && body.contains("only_local=true"),
+        "{body}"
+    );
+    assert_eq!(
+        d2.timeline_status().await["flush_lsn"],
+        d1.timeline_status().await["flush_lsn"]
+    );
+    let (code, body) = http_request(
+        d2.http,
+        "DELETE",
+        &format!("{}?only_local=true", tl_path()),
+        None,
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(r#""existed":true"#), "{body}");
+    // A node deletes pending remote objects within a supervision round (1 s; it also wakes on
+    // the deletion): after three, the store still has everything.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(stored_segments(store.path()), stored);
+    // After a restart too (the tombstone records no remote deletion).
+    d2.stop().await.unwrap();
+    let d2 = start(d2dir.path().into(), 2).await;
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(stored_segments(store.path()), stored);
+
+    // A member's delete is the timeline's end: its objects go.
+    let (code, body) = http_request(d1.http, "DELETE", &tl_path(), None).await;
+    assert_eq!(code, 200, "{body}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !stored_segments(store.path()).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the member's delete left objects"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    for d in [d1, d2] {
+        d.stop().await.unwrap();
+    }
+}

@@ -494,8 +494,11 @@ impl Sim {
             return;
         };
         live.holds.clear();
-        crate::blocking::section(|| self.tls().delete_timeline(&self.ttid))
-            .expect("deleting the timeline");
+        crate::blocking::section(|| {
+            self.tls()
+                .delete_timeline(&self.ttid, crate::manager::DeleteScope::Everywhere)
+        })
+        .expect("deleting the timeline");
         assert_eq!(live.core.step(Event::Deleted), vec![Action::Stop]);
         assert_eq!(live.core.step(Event::Stopped), vec![Action::Finished]);
         self.note("delete".into());

@@ -359,3 +359,48 @@ fn a_pull_needs_a_majority_of_the_members_not_of_the_hosts_asked() {
     assert!(pull_quorum(&[NodeId(1)], &none, 3).is_err());
     assert!(pull_quorum(&[NodeId(1), NodeId(2)], &none, 3).is_ok());
 }
+
+#[test]
+fn only_a_member_deletes_the_stores_objects() {
+    use sk_core::state::{Configuration, SafekeeperId};
+    use sk_core::types::{Generation, NodeId};
+    let member = |id| SafekeeperId {
+        id: NodeId(id),
+        host: format!("sk{id}"),
+        pg_port: 5454,
+    };
+    let gen1 = |ids: &[u64]| Configuration {
+        generation: Generation(1),
+        members: ids.iter().map(|&i| member(i)).collect(),
+        new_members: None,
+    };
+    let everywhere = |c: Option<&Configuration>, node: u64| {
+        deletes_remote_objects(DeleteScope::Everywhere, true, c, NodeId(node))
+    };
+    // A member (of either half of a joint configuration), a timeline without a configuration,
+    // and a delete of a timeline this node does not have: the objects go.
+    assert_eq!(everywhere(Some(&gen1(&[1, 2, 3])), 2), Ok(true));
+    let joint = Configuration {
+        new_members: Some(vec![member(1), member(3), member(4)]),
+        ..gen1(&[1, 2, 3])
+    };
+    assert_eq!(everywhere(Some(&joint), 2), Ok(true));
+    assert_eq!(everywhere(Some(&joint), 4), Ok(true));
+    assert_eq!(everywhere(Some(&Configuration::default()), 7), Ok(true));
+    assert_eq!(everywhere(None, 7), Ok(true));
+    // A node the configuration left out is refused, and told how to delete its own copy.
+    let err = everywhere(Some(&gen1(&[1, 3, 4])), 2).unwrap_err();
+    assert!(err.contains("members 1, 3, 4") && err.contains("only_local"), "{err}");
+    // Its own copy only; and nothing remote without remote storage.
+    let only_local = deletes_remote_objects(
+        DeleteScope::OnlyLocal,
+        true,
+        Some(&gen1(&[1, 3, 4])),
+        NodeId(2),
+    );
+    assert_eq!(only_local, Ok(false));
+    assert_eq!(
+        deletes_remote_objects(DeleteScope::Everywhere, false, None, NodeId(1)),
+        Ok(false)
+    );
+}
