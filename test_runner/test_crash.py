@@ -22,6 +22,7 @@ import time
 import pytest
 
 from fixtures.daemon import RELEASE_DIR, lsn_int, read_wal, timeline_dir, walproposer
+from fixtures.ledger import acked, check_ledger, ledger
 from fixtures.tools import require_pg_tool
 
 START = "0/1000000"
@@ -46,39 +47,6 @@ def spawn_proposer(sks, ack_log) -> subprocess.Popen:
         stderr=subprocess.DEVNULL,
         env={**os.environ, "RUST_LOG": "warn"},
     )
-
-
-def ledger(ack_log) -> list[tuple[int, str | None]]:
-    """The proposers' `--ack-log`: `(end LSN, sha256 hex or None)` per line. A digest covers
-    the WAL from the previous line's end to this line's; a bare LSN marks where digests resume
-    (a new proposer) or an acknowledgement without one."""
-    if not ack_log.exists():
-        return []
-    out = []
-    for line in ack_log.read_text().splitlines():
-        parts = line.split()
-        out.append((lsn_int(parts[0]), parts[1] if len(parts) > 1 else None))
-    return out
-
-
-def acked(ack_log) -> int:
-    return max((end for end, _ in ledger(ack_log)), default=0)
-
-
-def check_ledger(lines: list[tuple[int, str | None]], wal: bytes, start: int) -> tuple[int, int]:
-    """Compares every acknowledged range's digest with `wal` (the bytes from `start`); returns
-    (ranges, bytes) checked, or fails naming the first range whose content differs."""
-    ranges = checked = 0
-    prev = None
-    for end, digest in lines:
-        if digest is not None:
-            assert prev is not None and start <= prev < end, f"ledger range [{prev}, {end})"
-            got = hashlib.sha256(wal[prev - start : end - start]).hexdigest()
-            assert got == digest, f"acknowledged WAL [{prev:X}, {end:X}) differs from what was sent"
-            ranges += 1
-            checked += end - prev
-        prev = end
-    return ranges, checked
 
 
 @pytest.mark.promise(2, 3)
