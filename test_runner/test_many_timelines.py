@@ -1,7 +1,8 @@
 """Many timelines on one safekeeper under a default `ulimit -n` of 1024 (issue 17): every
 timeline with WAL used to keep its `.partial` segment open, so about a thousand of them ran the
-daemon out of descriptors. Now an LRU (`--max-open-segment-files`, default 512 or half the
-limit) closes idle timelines' segments. MANY_TIMELINES (default 2,000; 10,000 by hand) sizes it.
+daemon out of descriptors. Now an LRU (`--max-open-segment-files`) closes idle timelines'
+segments; its default is derived from the limit (512, or less under a small one: the last
+test). MANY_TIMELINES (default 2,000; 10,000 by hand) sizes the first.
 
 Printed for the record: start-up time with N timelines, RSS per idle timeline, the most
 descriptors seen."""
@@ -15,6 +16,7 @@ import subprocess
 import threading
 import time
 
+import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, TENANT, lsn_int
@@ -116,3 +118,54 @@ def test_many_timelines_with_wal_fit_a_default_open_files_limit(safekeeper_facto
         f"{loaded_rss / 2**20:.1f} MiB = {(loaded_rss - idle_rss) / n / 1024:.1f} KiB per "
         f"timeline; most descriptors {watch.most} (cap {cap}, ulimit -n {NOFILE})"
     )
+
+
+# safekeeper/src/daemon.rs `default_max_open_segment_files`: the constant, or what the open
+# files limit leaves after the proposer connections and a reserve, if lower (but at least a
+# quarter of the limit).
+DEFAULT_MAX_OPEN_SEGMENT_FILES = 512
+FDS_RESERVED = 64
+FDS_PER_CONNECTION = 3
+DEFAULT_MAX_CONNECTIONS = 256
+
+
+def derived_open_files_cap(soft: int, max_connections: int) -> int:
+    budget = max(soft - FDS_RESERVED - FDS_PER_CONNECTION * max_connections, 0, soft // 4)
+    return max(min(DEFAULT_MAX_OPEN_SEGMENT_FILES, budget), 1)
+
+
+def _metric(sk, name: str) -> float:
+    text = requests.get(f"{sk.http}/metrics", timeout=10).text
+    return next(float(x.split()[1]) for x in text.splitlines() if x.startswith(f"{name} "))
+
+
+@pytest.mark.parametrize(
+    "nofile,max_connections",
+    # The reserve branch: 600 - 64 - 3 * 128 = 152 (more than 600 / 4).
+    # The quarter branch: 400 - 64 - 3 * 256 is negative, so 400 / 4 = 100 (the default
+    # --max-connections).
+    [(600, 128), (400, None)],
+)
+def test_open_files_default_is_derived_from_the_ulimit(safekeeper_factory, nofile, max_connections):
+    """Without --max-open-segment-files the cap comes from `ulimit -n` (the daemon raises its
+    soft limit to the hard one first, so both are set here). Every other run has a limit large
+    enough for the 512 constant; under these the derived value is smaller, the daemon reports
+    it, and its LRU holds exactly that many files once more timelines than that have WAL."""
+    connections = DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections
+    cap = derived_open_files_cap(nofile, connections)
+    assert cap < DEFAULT_MAX_OPEN_SEGMENT_FILES
+    extra = ["--no-sync"]
+    if max_connections is not None:
+        extra += ["--max-connections", str(max_connections)]
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    sk = safekeeper_factory(extra_args=extra, preexec_fn=limit)
+    sk.start()
+    assert f"max_open_segment_files={cap} " in sk.log(), sk.log()[-2000:]
+    _drive(sk, cap + 40, timeout=120)
+    # Every timeline keeps its segment open until the LRU closes it for another one: with more
+    # timelines than the cap, exactly the cap stays open (and some were closed for it).
+    assert _metric(sk, "safekeeper_open_segment_files") == cap
+    assert _metric(sk, "safekeeper_segment_file_evictions_total") >= 40
