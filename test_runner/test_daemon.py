@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 
 import pytest
 import requests
@@ -38,10 +37,14 @@ def test_metrics_expose_process_jemalloc_and_profile_counters(safekeeper):
 
 @pytest.mark.promise(9)
 def test_sigterm_exits_zero_promptly(safekeeper):
-    started = time.monotonic()
+    # The promise's bound is the deadline `stop` waits for the exit (it raises past it): an idle
+    # daemon has nothing to wait for. What is checked is how it stopped: exit 0 through the whole
+    # shutdown path, and neither of its grace periods ran out (the daemon logs when one does).
     assert safekeeper.stop(timeout=5) == 0
-    assert time.monotonic() - started < 5
-    assert "shutting down" in safekeeper.log()
+    log = safekeeper.log()
+    assert "SIGTERM received, shutting down" in log, log[-2000:]
+    assert "safekeeper stopped" in log, log[-2000:]
+    assert "did not finish within" not in log and "did not stop in time" not in log, log[-2000:]
 
 
 def test_datadir_lock_refuses_second_daemon(safekeeper):
