@@ -32,6 +32,13 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_LISTEN_HTTP", default_value = "127.0.0.1:7676")]
     pub listen_http: SocketAddr,
 
+    /// After binding, write the listeners' addresses to this file, as JSON
+    /// `{"pg": "127.0.0.1:5454", "http": "127.0.0.1:7676"}` (written to a temporary file and
+    /// renamed, so a reader sees all of it or nothing). With port 0 in --listen-pg or
+    /// --listen-http the kernel picks a free port, and this file says which.
+    #[arg(long, env = "SAFEKEEPER_ADDR_FILE")]
+    pub addr_file: Option<PathBuf>,
+
     /// File holding a shared secret that clients of the PostgreSQL port must send as their
     /// password (cleartext). Without it, connections are trusted (loopback use).
     #[arg(long, env = "SAFEKEEPER_PG_AUTH_TOKEN_FILE")]
@@ -219,6 +226,7 @@ impl Conf {
             datadir,
             listen_pg: "127.0.0.1:0".parse().expect("valid address"),
             listen_http: "127.0.0.1:0".parse().expect("valid address"),
+            addr_file: None,
             no_sync: false,
             pg_auth_token_file: None,
             auth_public_key_path: None,

@@ -163,7 +163,25 @@ pub async fn bind(conf: &Conf) -> anyhow::Result<Listeners> {
     let pg = TcpListener::bind(conf.listen_pg)
         .await
         .with_context(|| format!("binding the PostgreSQL listener on {}", conf.listen_pg))?;
-    Ok(Listeners { http, pg })
+    let listeners = Listeners { http, pg };
+    tracing::info!(http = %listeners.http_addr(), pg = %listeners.pg_addr(), "listening");
+    if let Some(path) = &conf.addr_file {
+        write_addr_file(path, &listeners)
+            .with_context(|| format!("writing --addr-file {}", path.display()))?;
+    }
+    Ok(listeners)
+}
+
+/// The bound addresses as `--addr-file` has them: a temporary file beside it, renamed over it.
+fn write_addr_file(path: &std::path::Path, listeners: &Listeners) -> std::io::Result<()> {
+    let body = serde_json::json!({
+        "pg": listeners.pg_addr().to_string(),
+        "http": listeners.http_addr().to_string(),
+    });
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, format!("{body}\n"))?;
+    std::fs::rename(&tmp, path)
 }
 
 /// How often the timeline managers' supervisor looks for new timelines and pending remote
