@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, fmt_lsn, lsn_int, wait_until, walproposer_refused
+from fixtures.ledger import verify_received, verify_safekeeper
 from fixtures.pgwire import OPTIONS
 from fixtures.tools import require
 
@@ -99,7 +100,8 @@ def psql(conn: str, q: str = "IDENTIFY_SYSTEM") -> subprocess.CompletedProcess:
 
 def test_real_clients_with_verify_full_and_plaintext_refused(safekeeper_factory, pki, tmp_path):
     sk = tls_safekeeper(safekeeper_factory, pki)
-    out = walproposer_tls([sk], pki.ca, "--total", "2M")
+    ack_log = tmp_path / "acks"
+    out = walproposer_tls([sk], pki.ca, "--total", "2M", "--ack-log", str(ack_log))
     assert out.returncode == 0, out.stderr
     end = json.loads(out.stdout.strip().splitlines()[-1])["commit_lsn"]
 
@@ -125,7 +127,9 @@ def test_real_clients_with_verify_full_and_plaintext_refused(safekeeper_factory,
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert any(dest.iterdir())
+    # What arrived over TLS is what the proposer pushed: every acknowledged range's SHA-256.
+    ranges, received = verify_received(ack_log, dest, lsn_int(end))
+    assert ranges > 0 and received == lsn_int(end) - lsn_int("0/1000000"), (ranges, received)
 
     # HTTPS on the HTTP port, verified against the same CA; plain HTTP gets nothing.
     r = requests.get(f"https://localhost:{sk.http_port}/v1/timelines", verify=str(pki.ca))
@@ -136,13 +140,18 @@ def test_real_clients_with_verify_full_and_plaintext_refused(safekeeper_factory,
 
 def test_walproposer_over_tls_to_three_safekeepers(safekeeper_factory, pki, tmp_path):
     sks = [tls_safekeeper(safekeeper_factory, pki, i) for i in (1, 2, 3)]
-    out = walproposer_tls(sks, pki.ca, "--total", "16M")
+    ack_log = tmp_path / "acks"
+    out = walproposer_tls(sks, pki.ca, "--total", "16M", "--ack-log", str(ack_log))
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert stats["commit_lsn"] == stats["end_lsn"], stats
+    commit = lsn_int(stats["commit_lsn"])
     for sk in sks:
         tl = requests.get(f"{sk.http}/v1/timelines", verify=str(pki.ca), timeout=5).json()[0]
-        assert lsn_int(tl["flush_lsn"]) >= lsn_int(stats["commit_lsn"]), tl
+        assert lsn_int(tl["flush_lsn"]) >= commit, tl
+        # ... byte for byte as sent over TLS.
+        ranges, checked = verify_safekeeper(ack_log, sk, hi=commit)
+        assert ranges > 0 and checked == commit - lsn_int(stats["start_lsn"]), (ranges, checked)
     # sslmode=require (no verification) works too; plain TCP does not.
     out = walproposer_tls(sks, pki.ca, "--total", "1M", mode="require")
     assert out.returncode == 0, out.stderr
