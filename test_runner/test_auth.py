@@ -17,9 +17,10 @@ import requests
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, wait_until, walproposer_refused
+from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, lsn_int, wait_until, walproposer_refused
+from fixtures.ledger import verify_received
 from fixtures.pgwire import OPTIONS, connect, query
-from fixtures.tools import require
+from fixtures.tools import before, require
 
 OTHER_TENANT = "0123456789abcdef0123456789abcdef"
 TIMELINE_ROUTE = f"/v1/tenant/{TENANT}/timeline/{TIMELINE}"
@@ -48,12 +49,14 @@ def issuer() -> Issuer:
 
 @pytest.fixture
 def authed(safekeeper_factory, issuer, tmp_path):
-    """A safekeeper requiring tokens, with WAL on the test timeline (pushed with a data token)."""
+    """A safekeeper requiring tokens, with WAL on the test timeline (pushed with a data token;
+    its content ledger in `tmp_path / "acks"`)."""
     keys = tmp_path / "keys"
     keys.mkdir()
     (keys / "issuer.pem").write_bytes(issuer.public_pem)
     sk = safekeeper_factory(extra_args=["--auth-public-key-path", str(keys)]).start()
-    run_walproposer(sk, issuer.token(), "--total", "1M")
+    out = run_walproposer(sk, issuer.token(), "--total", "1M", "--ack-log", str(tmp_path / "acks"))
+    assert out.returncode == 0, out.stderr
     return sk
 
 
@@ -204,18 +207,22 @@ def test_real_clients_and_the_walproposer_authenticate_with_tokens(authed, issue
     out = run_psql(theirs)
     assert out.returncode != 0 and OTHER_TENANT in out.stderr, out.stderr
 
+    # pg_receivewal with the tenant token: the committed WAL, as the proposer pushed it.
     receivewal = require("pg_receivewal", "postgresql-client-15")
     dest = tmp_path / "wal"
     dest.mkdir()
+    commit = get(sk, TIMELINE_ROUTE, mine).json()["commit_lsn"]
     out = subprocess.run(
-        [receivewal, "-D", str(dest), "-d", conninfo, "--no-loop", "-w", "--endpos", "0/1000100"],
+        [receivewal, "-D", str(dest), "-d", conninfo, "--no-loop", "-w"]
+        + ["--endpos", before(commit)],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "PGPASSWORD": mine},
     )
     assert out.returncode == 0, out.stderr
-    assert any(dest.iterdir())
+    ranges, received = verify_received(tmp_path / "acks", dest, lsn_int(commit))
+    assert ranges > 0 and received > 512 << 10, (ranges, received, commit)
 
     # The walproposer: a token from the environment, or from a file.
     out = run_walproposer(sk, mine, "--total", "1M")
