@@ -30,6 +30,7 @@ from fixtures.daemon import (
     walproposer,
     walproposer_refused,
 )
+from fixtures.ledger import verify_safekeeper
 from fixtures.tools import before, receivewal
 
 SCRIPT = REPO / "scripts" / "local-cluster"
@@ -113,6 +114,11 @@ def test_dead_safekeeper_replaced_while_streaming(tmp_path):
         start = 16 << 20
         wal = {i: read_wal(cluster.sk(i), start, commit) for i in (1, 3, 4)}
         assert wal[1] == wal[3] == wal[4]
+        # ... and it is the WAL the proposer sent, before and after the switch: every
+        # acknowledged range's SHA-256 (the ack log's content ledger) on every member.
+        for i in (1, 3, 4):
+            ranges, checked = verify_safekeeper(ack_log, cluster.sk(i), hi=commit)
+            assert ranges > 0 and checked == commit - start, (i, ranges, checked)
         # A reader on the new safekeeper gets the same WAL.
         recv = tmp_path / "recv"
         recv.mkdir()
@@ -140,8 +146,10 @@ def test_dead_safekeeper_replaced_while_streaming(tmp_path):
 @pytest.mark.promise(11)
 def test_puller_killed_mid_transfer_leaves_nothing_then_pulls_whole(safekeeper_factory, tmp_path):
     src = safekeeper_factory(1).start()
-    stats = walproposer([src], "--total", "40M")
+    ack_log = tmp_path / "acks"
+    stats = walproposer([src], "--total", "40M", "--ack-log", str(ack_log))
     end = lsn_int(stats["commit_lsn"])
+    assert max_acked(ack_log) == end
     puller = safekeeper_factory(2).start()
     r = requests.put(f"{puller.http}/v1/failpoints?name=pull-slow&active=true", timeout=5)
     assert r.ok, r.text
@@ -176,10 +184,13 @@ def test_puller_killed_mid_transfer_leaves_nothing_then_pulls_whole(safekeeper_f
     assert lsn_int(r.json()["flush_lsn"]) == end
     start = lsn_int(stats["start_lsn"])
     assert read_wal(puller, start, end) == read_wal(src, start, end)
-    # It survives a restart (start-up verifies the control file and the committed WAL).
+    # It survives a restart (start-up verifies the control file and the committed WAL), with
+    # every acknowledged byte as the proposer sent it.
     puller.stop()
     puller.start()
     assert lsn_int(requests.get(puller.http + TL_PATH, timeout=5).json()["flush_lsn"]) == end
+    ranges, checked = verify_safekeeper(ack_log, puller)
+    assert ranges > 0 and checked == end - start, (ranges, checked)
 
 
 @pytest.mark.promise(11)
