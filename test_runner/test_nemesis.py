@@ -11,13 +11,19 @@ seeded schedule of faults in between:
   its remote objects are being deleted; its objects are gone before it exists again);
 - one replacement of a node by pull_timeline and a membership switch (`local-cluster
   replace`), onto a node that starts from the backed-up point;
-- status requests in a tight loop on every node all along, and a pg_receivewal reader from the
-  timeline's start (restarted on a live member when its node dies).
+- status requests in a tight loop on every node all along (each daemon's RSS sampled after
+  each), and a pg_receivewal reader from the timeline's start (restarted on a live member when
+  its node dies).
 
-At the end: every acknowledged byte identical (by the ledger's SHA-256) on every member, local
-or in the store, and in what the reader received; every node restarts; the replacement
-completed; no status request waited more than 10 s; RSS bounded. The seed is printed (and
-named on failure).
+At the end: a second pg_receivewal from the timeline's start, after its WAL was removed
+locally, is served from the store (the node's remote read counter covers all it asked for);
+every acknowledged byte identical (by the ledger's SHA-256) on every member, local or in the
+store, and in what the readers received; every complete segment below the commit is in the
+store, whole, identical to the members' WAL, and the ledger's digests hold on the store's bytes
+alone; every node restarts; the replacement completed; no status request waited more than 10 s
+(a timed-out one counts as its whole timeout; a connection error from a node that was up
+throughout fails the run); RSS bounded all along, read while the daemons ran (before the final
+restarts). The seed is printed (and named on failure).
 
 Knobs: NEMESIS_SEEDS (comma-separated, default "1,2"), NEMESIS_STEPS (default 8; the long mode is
 e.g. NEMESIS_STEPS=200 NEMESIS_SEEDS=1,2,3)."""
@@ -25,6 +31,7 @@ e.g. NEMESIS_STEPS=200 NEMESIS_SEEDS=1,2,3)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
 import signal
@@ -35,7 +42,7 @@ import time
 import pytest
 import requests
 
-from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, lsn_int, wait_until
+from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, fmt_lsn, lsn_int, wait_until
 from fixtures.tools import require
 from test_crash import check_ledger, ledger
 from test_faults import failpoint
@@ -95,28 +102,110 @@ class Reader(threading.Thread):
         self.join(timeout=30)
 
 
-class Hammer(threading.Thread):
-    """Status requests in a tight loop on every node; the longest successful one is kept."""
+# A status request that takes longer than this is given up and counted as a wait of its full
+# duration (more than the 10 s promised).
+STATUS_TIMEOUT = 15
+# RSS bounds of every daemon, sampled all along the run: any sample, and the samples of a
+# process past its first WARM_UP seconds. Each start-up peaks at about 316 MiB for ~0.1 s:
+# profiling::warm_up symbolizes one backtrace (the binary's full debug info), then frees it;
+# the steady state is ~40-70 MiB.
+RSS_BOUND = 400 << 20
+RSS_STEADY_BOUND = 192 << 20
+WARM_UP = 2.0
 
-    def __init__(self, cluster: Cluster, nodes: list[int]):
+
+def rss_of(pid: int) -> int | None:
+    """VmRSS of `pid` in bytes, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Hammer(threading.Thread):
+    """Status requests in a tight loop on every node, and each daemon's RSS sampled after each
+    of its requests (the largest kept per node, while it ran: a restart does not hide it; and
+    the largest past each process's start-up).
+
+    Every request's duration counts, answered or not: one that timed out waited
+    STATUS_TIMEOUT. A connection error is expected from a node the schedule has down (killed,
+    not yet restarted, or not started yet: `down()`/`up()` around it); from a node that was up
+    for the whole request it is a failure, as is any timeout."""
+
+    def __init__(self, cluster: Cluster, nodes: list[int], up: list[int]):
         super().__init__(daemon=True)
         self.cluster, self.nodes = cluster, nodes
         self.stop_flag = threading.Event()
-        self.longest = 0.0
+        self.lock = threading.Lock()
+        # Node -> incremented by every down() and up(): a request on a node whose epoch did
+        # not change and that was up meanwhile saw a live node.
+        self.epoch = {i: 0 for i in nodes}
+        self.live = set(up)
+        self.longest = (0.0, None, None)  # (seconds, node, outcome)
         self.served = 0
+        self.outcomes: dict[str, int] = {}
+        self.failures: list[str] = []
+        # Node -> (largest RSS, what the schedule was doing then): of any sample, and of the
+        # samples of a process seen for WARM_UP seconds already.
+        self.phase = "start"
+        self.rss_max: dict[int, tuple[int, str]] = {}
+        self.rss_steady: dict[int, tuple[int, str]] = {}
+        self.first_seen: dict[int, float] = {}  # pid -> when
+
+    def down(self, i: int) -> None:
+        with self.lock:
+            self.live.discard(i)
+            self.epoch[i] += 1
+
+    def up(self, i: int) -> None:
+        with self.lock:
+            self.live.add(i)
+            self.epoch[i] += 1
+
+    def sample_rss(self, i: int) -> None:
+        try:
+            pid = self.cluster.pid(i)
+        except (OSError, ValueError):
+            return  # not started yet
+        rss = rss_of(pid)
+        if rss is None:
+            return
+        seen = self.first_seen.setdefault(pid, time.monotonic())
+        if rss > self.rss_max.get(i, (0, ""))[0]:
+            self.rss_max[i] = (rss, self.phase)
+        if time.monotonic() - seen >= WARM_UP and rss > self.rss_steady.get(i, (0, ""))[0]:
+            self.rss_steady[i] = (rss, self.phase)
 
     def run(self):
         while not self.stop_flag.is_set():
             for i in list(self.nodes):
+                with self.lock:
+                    was = (i in self.live, self.epoch[i])
                 started = time.monotonic()
                 try:
-                    r = requests.get(self.cluster.sk(i).http + TL_PATH, timeout=30)
-                except requests.RequestException:
-                    continue  # the node is down
+                    r = requests.get(self.cluster.sk(i).http + TL_PATH, timeout=STATUS_TIMEOUT)
+                    outcome = str(r.status_code)
+                except requests.Timeout as e:
+                    outcome, error = "timeout", e
+                except requests.RequestException as e:
+                    outcome, error = "connection error", e
                 took = time.monotonic() - started
-                if r.status_code == 200:
+                if outcome == "timeout":
+                    took = max(took, STATUS_TIMEOUT)
+                with self.lock:
+                    live = was == (True, self.epoch[i]) and i in self.live
+                self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+                if outcome == "200":
                     self.served += 1
-                    self.longest = max(self.longest, took)
+                elif outcome == "timeout" or (outcome == "connection error" and live):
+                    self.failures.append(f"node {i}: {outcome} after {took:.1f} s: {error}")
+                if took > self.longest[0]:
+                    self.longest = (took, i, outcome)
+                self.sample_rss(i)
 
 
 def wal_of(cluster: Cluster, i: int, store: S3Store, start: int, end: int) -> bytes:
@@ -167,7 +256,7 @@ def test_nemesis(tmp_path, seed):
     out = cluster.run("start", "3")
     assert out.returncode == 0, out.stderr
     members = [1, 2, 3]
-    hammer = Hammer(cluster, [1, 2, 3, 4])
+    hammer = Hammer(cluster, [1, 2, 3, 4], up=members)
     hammer.start()
     recv = tmp_path / "recv"
     recv.mkdir()
@@ -201,6 +290,7 @@ def test_nemesis(tmp_path, seed):
                 fault = "disk-full"
             faults.append(fault)
             print(f"step {step}: {fault}")
+            hammer.phase = f"step {step} ({fault})"
             if fault in ("kill", "kill-after-removal"):
                 victim = rng.choice(live)
                 if fault == "kill-after-removal":
@@ -214,10 +304,14 @@ def test_nemesis(tmp_path, seed):
                     )
                 else:
                     time.sleep(rng.uniform(0.05, 1.5))
+                hammer.down(victim)
+                hammer.phase = f"step {step} ({fault} of {victim})"
                 os.kill(cluster.pid(victim), signal.SIGKILL)
                 time.sleep(rng.uniform(0.1, 1.0))
                 r = cluster.run("restart", str(victim))
                 assert r.returncode == 0, f"seed {seed}: node {victim} does not restart\n{r.stderr}"
+                hammer.up(victim)
+                hammer.phase = f"step {step} ({victim} restarted)"
             elif fault == "outage":
                 store.proc.send_signal(signal.SIGSTOP)
                 time.sleep(rng.uniform(0.5, 3))
@@ -245,11 +339,13 @@ def test_nemesis(tmp_path, seed):
             elif fault == "replace":
                 old = rng.choice(members)
                 new = 4
+                hammer.down(old)
                 os.kill(cluster.pid(old), signal.SIGKILL)
                 r = cluster.run("replace", str(old), str(new), timeout=300)
                 assert (
                     r.returncode == 0
                 ), f"seed {seed}: replace {old} by {new}\n{r.stdout}{r.stderr}"
+                hammer.up(new)
                 members[:] = [i for i in members if i != old] + [new]
                 replaced = True
             wait_until(lambda: wp.poll() is None, "the proposer running")
@@ -258,12 +354,10 @@ def test_nemesis(tmp_path, seed):
         wp.send_signal(signal.SIGKILL)
         wp.wait()
         wp_log.close()
-    hammer.stop_flag.set()
-    hammer.join(timeout=60)
     reader.stop()
     try:
         max_acked = max(e for e, _ in ledger(ack_log))
-        # Everyone up to date and every node restarts.
+        # Everyone up to date.
         for i in members:
             wait_until(
                 lambda i=i: lsn_int(status(cluster, i)["flush_lsn"]) >= max_acked
@@ -271,30 +365,46 @@ def test_nemesis(tmp_path, seed):
                 f"node {i} to hold the acknowledged WAL",
                 timeout=120,
             )
+        start = lsn_int(status(cluster, members[0])["timeline_start_lsn"])
+        # A second reader, from the timeline's start once it was removed locally: served from
+        # the store (the node's remote read counter says so).
+        recv2 = tmp_path / "recv2"
+        recv2.mkdir()
+        hammer.phase = "reader 2"
+        end2, from_store = reader_from_the_store(cluster, members[0], start, recv2, seed)
+        hammer.stop_flag.set()
+        hammer.join(timeout=2 * STATUS_TIMEOUT)
+        assert not hammer.is_alive(), f"seed {seed}: a status request never returned"
+        # RSS bounded: the largest sampled while each daemon ran, before they are restarted.
+        for i in members:
+            hammer.sample_rss(i)
+        assert set(members) <= set(hammer.rss_steady), (members, hammer.rss_steady)
+        for bound, seen in ((RSS_BOUND, hammer.rss_max), (RSS_STEADY_BOUND, hammer.rss_steady)):
+            for i, (rss, phase) in sorted(seen.items()):
+                assert rss < bound, f"seed {seed}: node {i}: RSS {rss >> 20} MiB at {phase}"
+        # Every node restarts.
         for i in members:
             os.kill(cluster.pid(i), signal.SIGKILL)
             r = cluster.run("restart", str(i))
             assert r.returncode == 0, f"seed {seed}: node {i} does not restart\n{r.stderr}"
-        start = lsn_int(status(cluster, members[0])["timeline_start_lsn"])
         lines = ledger(ack_log)
         for i in members:
             wal = wal_of(cluster, i, store, start, max_acked)
             ranges, checked = check_ledger(lines, wal, start)
             assert ranges > 0, "the ack log carries no digests"
-        # The reader got the WAL from the timeline's start, identical to the members' (complete
-        # segments; committed WAL only, compared up to what the ledger acknowledged).
+        reference = wal_of(cluster, members[0], store, start, max_acked)
+        # Every complete segment in the store: identical to the ledger and the members' WAL.
+        stored, stored_checked = check_store(
+            cluster, store, members, lines, reference, start, max_acked, seed
+        )
+        # The readers got the WAL from the timeline's start, identical to the members'
+        # (complete segments; committed WAL only, compared up to what the ledger acknowledged).
+        compared = compare_received(recv, reference, start, max_acked, f"seed {seed}: reader 1")
+        assert compared > 0
         received = sorted(p.name for p in recv.iterdir() if len(p.name) == 24)
         assert received and received[0] == seg_name(start // SEG), (received[:3], reader.runs)
-        reference = wal_of(cluster, members[0], store, start, max_acked)
-        compared = 0
-        for name in received:
-            segno = int(name[8:16], 16) * (2**32 // SEG) + int(name[16:24], 16)
-            lo, hi = max(segno * SEG, start), min((segno + 1) * SEG, max_acked)
-            if hi > lo:
-                got = (recv / name).read_bytes()[lo - segno * SEG : hi - segno * SEG]
-                assert got == reference[lo - start : hi - start], f"seed {seed}: reader's {name}"
-                compared += hi - lo
-        assert compared > 0
+        compared2 = compare_received(recv2, reference, start, end2, f"seed {seed}: reader 2")
+        assert compared2 >= end2 - start - SEG, (compared2, end2 - start)
         digest = {
             hashlib.sha256(wal_of(cluster, i, store, start, max_acked)).hexdigest() for i in members
         }
@@ -304,20 +414,127 @@ def test_nemesis(tmp_path, seed):
         if replaced:
             st = status(cluster, members[0])
             assert sorted(m["id"] for m in st["mconf"]["members"]) == sorted(members), st
-        for i in members:
-            rss = int(open(f"/proc/{cluster.pid(i)}/status").read().split("VmRSS:")[1].split()[0])
-            assert rss < 400 << 10, f"node {i}: RSS {rss >> 10} MiB"
+        longest, longest_node, longest_outcome = hammer.longest
         print(
             f"seed {seed}: faults {faults}; {max_acked - start} bytes acknowledged, checked on "
-            f"{len(members)} members and {compared} by a reader ({reader.runs} runs); "
-            f"{hammer.served} status requests, longest "
-            f"{hammer.longest:.2f} s"
+            f"{len(members)} members, {stored} segments in the store ({stored_checked} bytes "
+            f"by the ledger), {compared} bytes by reader 1 ({reader.runs} runs), "
+            f"{compared2} by reader 2 ({from_store} bytes read from the store); "
+            f"status requests {hammer.outcomes}, longest {longest:.2f} s (node "
+            f"{longest_node}, {longest_outcome}); RSS max "
+            + ", ".join(
+                f"node {i} {rss >> 20} MiB ({phase}), {hammer.rss_steady[i][0] >> 20} MiB "
+                f"past start-up ({hammer.rss_steady[i][1]})"
+                for i, (rss, phase) in sorted(hammer.rss_max.items())
+                if i in hammer.rss_steady
+            )
         )
         assert hammer.served > 0
-        assert hammer.longest < 10, f"a status request waited {hammer.longest:.1f} s"
+        assert not hammer.failures, f"seed {seed}: status requests failed: {hammer.failures[:5]}"
+        assert longest < 10, f"seed {seed}: a status request waited {longest:.1f} s"
     finally:
+        hammer.stop_flag.set()
         cluster.run("stop")
         store.close()
+
+
+def metric(cluster: Cluster, i: int, name: str) -> float:
+    text = requests.get(cluster.sk(i).http + "/metrics", timeout=10).text
+    return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith(f"{name} "))
+
+
+def reader_from_the_store(cluster: Cluster, node: int, start: int, dest, seed: int):
+    """A real pg_receivewal from the timeline's start on `node`, once the node has removed
+    that WAL locally, up to at most 16 segments (below the removal horizon). Returns where it
+    was asked to stop and how many bytes the node read from the store meanwhile (at least all
+    of it: nothing was local)."""
+    horizon = wait_until(
+        lambda: (h := lsn_int(status(cluster, node)["removal_horizon_lsn"])) > start + 2 * SEG
+        and h,
+        f"node {node} to remove its first segments",
+        timeout=60,
+    )
+    end = min(horizon, start + 16 * SEG)
+    was = metric(cluster, node, "safekeeper_remote_read_bytes_total")
+    exe = require("pg_receivewal", "postgresql-client-15")
+    out = subprocess.run(
+        [exe, "-D", str(dest), "-h", "127.0.0.1", "-p", str(cluster.sk(node).pg_port)]
+        + ["-U", "postgres", "--slot", "s2", "--no-loop", "--no-password", "-v"]
+        + ["--endpos", fmt_lsn(end - 1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, f"seed {seed}: reader 2 on node {node}: {out.stderr[-2000:]}"
+    assert f"starting log streaming at {fmt_lsn(start)}" in out.stderr, out.stderr
+    read = metric(cluster, node, "safekeeper_remote_read_bytes_total") - was
+    assert read >= end - start, f"seed {seed}: {read} of {end - start} bytes read from the store"
+    return end, int(read)
+
+
+def compare_received(recv, reference: bytes, start: int, upto: int, what: str) -> int:
+    """Compares the complete segments pg_receivewal wrote to `recv` with `reference` (the WAL
+    from `start`) below `upto`; returns the bytes compared."""
+    compared = 0
+    for p in sorted(recv.iterdir()):
+        if len(p.name) != 24:
+            continue  # .partial
+        segno = int(p.name[8:16], 16) * (2**32 // SEG) + int(p.name[16:24], 16)
+        lo, hi = max(segno * SEG, start), min((segno + 1) * SEG, upto)
+        if hi > lo:
+            got = p.read_bytes()[lo - segno * SEG : hi - segno * SEG]
+            assert got == reference[lo - start : hi - start], f"{what}: {p.name}"
+            compared += hi - lo
+    return compared
+
+
+def check_store(cluster, store, members, lines, reference, start, max_acked, seed):
+    """Once the backup reached the segment of the members' commit: every complete segment
+    below it is in the store, every stored segment is whole and identical to the members' WAL
+    (the ledger-checked `reference` below `max_acked`, and each member's local copy where it
+    still has the complete segment below its commit), and the ledger's digests hold on the
+    store's own bytes. Returns (segments, bytes checked by the ledger)."""
+    commits = {i: lsn_int(status(cluster, i)["commit_lsn"]) for i in members}
+    target = min(commits.values()) // SEG * SEG
+    wait_until(
+        lambda: max(lsn_int(status(cluster, i)["backup_lsn"]) for i in members) >= target,
+        f"the backup to reach {fmt_lsn(target)}",
+        timeout=120,
+    )
+    stored = {}
+    for key in objects(store, TIMELINE):
+        name = key.rsplit("/", 1)[1]
+        if len(name) == 24 and all(c in "0123456789ABCDEF" for c in name):
+            stored[int(name[8:16], 16) * (2**32 // SEG) + int(name[16:24], 16)] = key
+    missing = [seg_name(n) for n in range(start // SEG, target // SEG) if n not in stored]
+    assert not missing, f"seed {seed}: complete segments not in the store: {missing[:5]}"
+    prefix = bytearray()
+    contiguous = True
+    for segno in sorted(stored):
+        data = store.s3.get_object(Bucket=BUCKET, Key=stored[segno])["Body"].read()
+        name = seg_name(segno)
+        assert len(data) == SEG, f"seed {seed}: stored {name} has {len(data)} bytes"
+        lo, hi = max(segno * SEG, start), min((segno + 1) * SEG, max_acked)
+        if hi > lo:
+            assert (
+                data[lo - segno * SEG : hi - segno * SEG] == reference[lo - start : hi - start]
+            ), f"seed {seed}: stored {name} differs from the acknowledged WAL"
+        for i in members:
+            local = cluster.sk(i).datadir / TENANT / TIMELINE / name
+            if (segno + 1) * SEG <= commits[i] and local.exists():
+                assert local.read_bytes() == data, f"seed {seed}: stored {name} != node {i}'s"
+        contiguous = contiguous and segno == start // SEG + len(prefix) // SEG
+        if contiguous:
+            prefix += data
+    # The ledger against the store alone: every acknowledged range within the stored prefix.
+    stored_end = start // SEG * SEG + len(prefix)
+    ranges, checked = check_ledger(
+        list(itertools.takewhile(lambda line: line[0] <= stored_end, lines)),
+        bytes(prefix[start % SEG :]),
+        start,
+    )
+    assert ranges > 0, f"seed {seed}: no acknowledged range checked in the store"
+    return len(stored), checked
 
 
 def create_everywhere(cluster: Cluster, members: list[int], create: dict, seed: int) -> None:
