@@ -355,3 +355,52 @@ async fn a_node_that_is_no_longer_a_member_deletes_only_its_own_copy() {
         d.stop().await.unwrap();
     }
 }
+
+/// Promise 9: a graceful stop persists every timeline's state. The control file's commit LSN
+/// is saved lazily while the daemon runs (a segment behind, or every few seconds), so after a
+/// quick commit it lags the commit LSN in memory; the stop saves it, and the restarted node
+/// reports the same commit LSN at once (before any proposer tells it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_persists_the_commit_lsn() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let (mut p, _) = Client::elect(&d, Lsn(SEG_SIZE)).await;
+    let mut g = pg_wal::generator::WalGenerator::new(SYSID, SEG_SIZE, Lsn(SEG_SIZE)).unwrap();
+    let mut wal = Vec::new();
+    g.fill(&mut wal, 64 << 10, &[7; 200]);
+    let end = Lsn(SEG_SIZE + wal.len() as u64);
+    p.writer
+        .send(&p.append(Lsn(SEG_SIZE), &wal, end))
+        .await
+        .unwrap();
+    // Once flushed, the commit LSN rides on the next append (here one without WAL).
+    while let AcceptorProposerMessage::AppendResponse(r) = p.reader.recv().await.unwrap() {
+        if r.flush_lsn == end {
+            break;
+        }
+    }
+    p.writer.send(&p.append(end, &[], end)).await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let before = loop {
+        let s = d.timeline_status().await;
+        if s["commit_lsn"] == end.to_string() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "commit never reached {end}: {s}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_ne!(
+        before["persisted_commit_lsn"], before["commit_lsn"],
+        "the lazy save already ran, so this run cannot tell: {before}"
+    );
+    drop(p);
+    d.stop().await.unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let after = d.timeline_status().await;
+    assert_eq!(after["persisted_commit_lsn"], end.to_string(), "{after}");
+    assert_eq!(after["commit_lsn"], end.to_string(), "{after}");
+    d.stop().await.unwrap();
+}

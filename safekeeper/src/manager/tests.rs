@@ -390,7 +390,10 @@ fn only_a_member_deletes_the_stores_objects() {
     assert_eq!(everywhere(None, 7), Ok(true));
     // A node the configuration left out is refused, and told how to delete its own copy.
     let err = everywhere(Some(&gen1(&[1, 3, 4])), 2).unwrap_err();
-    assert!(err.contains("members 1, 3, 4") && err.contains("only_local"), "{err}");
+    assert!(
+        err.contains("members 1, 3, 4") && err.contains("only_local"),
+        "{err}"
+    );
     // Its own copy only; and nothing remote without remote storage.
     let only_local = deletes_remote_objects(
         DeleteScope::OnlyLocal,

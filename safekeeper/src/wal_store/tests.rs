@@ -399,6 +399,52 @@ fn small_appends_are_gathered_and_durable_after_flush() {
     assert_eq!(back, bytes);
 }
 
+/// Promise 7, a full disk: the write that fails says so (`NoSpace`, not an I/O error), reveals
+/// nothing it did not write (the flush LSN stays at what was acknowledged), keeps the WAL it
+/// took (gathered appends are written out again once space returns), and the same store goes
+/// on: after a power loss every byte is there. Without keeping the gathered bytes, the next
+/// flush would claim WAL that never reached the file.
+#[test]
+fn a_full_disk_fails_the_flush_and_the_store_resumes_when_space_returns() {
+    let (sim, fs, dir) = sim_dir();
+    let o = WalFileOptions { fs, ..opts() };
+    let start = Lsn(SEG + 8192);
+    let mut s = fresh_with(dir, start, o.clone());
+    let (bytes, pos) = gen_wal(start, &[100; 60]);
+    let mut at = start;
+    let mut write = |s: &mut WalFileStore, upto: usize| {
+        for p in &pos[..upto] {
+            if p.end <= at {
+                continue;
+            }
+            let off = (at.0 - start.0) as usize;
+            s.write_wal(at, &bytes[off..(p.end.0 - start.0) as usize])
+                .unwrap();
+            at = p.end;
+        }
+    };
+    write(&mut s, 20);
+    s.flush_wal().unwrap();
+    let acked = s.flush_lsn();
+    assert_eq!(acked, pos[19].end);
+    // Small appends are gathered: they reach the file at the flush, which the full disk fails.
+    write(&mut s, 40);
+    sim.set_full(true);
+    let err = s.flush_wal().unwrap_err();
+    assert!(matches!(err, Error::NoSpace(_)), "{err}");
+    assert_eq!(s.flush_lsn(), acked, "a failed flush revealed nothing");
+    let err = s.flush_wal().unwrap_err();
+    assert!(matches!(err, Error::NoSpace(_)), "still full: {err}");
+    sim.set_full(false);
+    s.flush_wal().unwrap();
+    assert_eq!(s.flush_lsn(), pos[39].end);
+    write(&mut s, 60);
+    s.flush_wal().unwrap();
+    drop(s);
+    sim.power_loss(&mut |_| 0);
+    assert_recovers(dir, acked, o, start, &bytes);
+}
+
 #[test]
 fn truncation_keeps_gathered_bytes_below_end_and_drops_the_rest() {
     let dir = tempfile::tempdir().unwrap();

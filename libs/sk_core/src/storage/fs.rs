@@ -250,6 +250,8 @@ struct SimState {
     crash_in: Option<u64>,
     /// The machine's state when the power failed, if a crash point was reached.
     crash_image: Option<CrashImage>,
+    /// A full disk: writes and `set_len` fail with ENOSPC (see [`SimFs::set_full`]).
+    full: bool,
 }
 
 /// Files and directories as they were when a crash point was reached.
@@ -518,6 +520,13 @@ impl SimFs {
         st.crash_image = None;
     }
 
+    /// Fills the disk (`true`) or frees space again: while full, every file write and
+    /// `set_len` fails with ENOSPC and changes nothing (stricter than a real file system,
+    /// which still takes writes over blocks it allocated before).
+    pub fn set_full(&self, full: bool) {
+        self.lock().full = full;
+    }
+
     /// Number of file fsyncs and directory fsyncs so far.
     pub fn sync_counts(&self) -> (u64, u64) {
         let st = self.lock();
@@ -734,6 +743,9 @@ impl SimFile {
             ));
         }
         self.with_inode(|st, ino| {
+            if st.full {
+                return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+            }
             st.before_mutation();
             st.inodes.get_mut(&ino).expect("checked").record(op);
             Ok(())

@@ -1,0 +1,113 @@
+//! Plain readers (a standby, `pg_receivewal`) against an in-process daemon over real sockets:
+//! they are served committed WAL only, also while this node has flushed more.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use pg_wal::generator::WalGenerator;
+use pq_proto::client::{ClientConn, CopyEvent};
+use pq_proto::replication::ReplicationMessage;
+use sk_core::protocol::AcceptorProposerMessage;
+use sk_core::types::{Lsn, Term};
+
+const START: Lsn = Lsn(SEG_SIZE);
+
+/// Promise 3: the WAL past the commit LSN may still be truncated by the next term's proposer,
+/// and a standby cannot un-apply it, so a plain reader streams up to the commit LSN, never to
+/// the flush LSN. Here the node holds 256 KiB flushed and 100 KiB committed: the reader gets the
+/// 100 KiB, then keepalives saying the WAL ends there; once the commit LSN moves, the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_reader_gets_committed_wal_only_while_more_is_flushed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = TestDaemon::start(dir.path()).await;
+    let (mut p, _) = Client::elect(&d, START).await;
+    let mut g = WalGenerator::new(SYSID, SEG_SIZE, START).unwrap();
+    let mut wal = Vec::new();
+    g.fill(&mut wal, 256 << 10, &[0x5a; 300]);
+    let end = Lsn(START.0 + wal.len() as u64);
+    let commit = Lsn(START.0 + (100 << 10));
+    // In appends of at most the protocol's 128 KiB.
+    for (i, piece) in wal.chunks(64 << 10).enumerate() {
+        let at = Lsn(START.0 + (i as u64) * (64 << 10));
+        p.writer.queue(&p.append(at, piece, Lsn::INVALID)).unwrap();
+    }
+    p.writer.flush().await.unwrap();
+    while let AcceptorProposerMessage::AppendResponse(r) = p.reader.recv().await.unwrap() {
+        if r.flush_lsn == end {
+            break;
+        }
+    }
+    p.writer
+        .send(&append_msg(Term(1), end, &[], commit))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = d.timeline_status().await;
+        if s["commit_lsn"] == commit.to_string() {
+            assert_eq!(s["flush_lsn"], end.to_string(), "{s}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "commit never moved: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let conn = ClientConn::connect(&client_config(&d)).await.unwrap();
+    let (mut r, _w) = conn
+        .start_copy_both(&format!("START_REPLICATION PHYSICAL {START} TIMELINE 1"))
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    // WAL up to the commit LSN, then keepalives that say the WAL ends there (three of them:
+    // the first may be sent before the last XLogData is read, never after it with more WAL).
+    let mut keepalives_at_commit = 0;
+    while keepalives_at_commit < 3 {
+        let CopyEvent::Data(m) = r.read().await.unwrap() else {
+            panic!("stream ended")
+        };
+        match ReplicationMessage::decode(m).unwrap() {
+            ReplicationMessage::XLogData {
+                wal_start, data, ..
+            } => {
+                assert_eq!(wal_start.0, START.0 + got.len() as u64);
+                got.extend_from_slice(&data);
+                assert!(
+                    START.0 + got.len() as u64 <= commit.0,
+                    "a plain reader got WAL up to {} past the commit LSN {commit}",
+                    Lsn(START.0 + got.len() as u64)
+                );
+            }
+            ReplicationMessage::Keepalive { wal_end, .. } => {
+                assert!(
+                    wal_end <= commit,
+                    "keepalive says the WAL ends at {wal_end}"
+                );
+                if wal_end == commit && START.0 + got.len() as u64 == commit.0 {
+                    keepalives_at_commit += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(got, wal[..got.len()]);
+
+    // The commit LSN moves to the end: the reader gets the rest.
+    p.writer
+        .send(&append_msg(Term(1), end, &[], end))
+        .await
+        .unwrap();
+    while (got.len() as u64) < end.0 - START.0 {
+        let CopyEvent::Data(m) = r.read().await.unwrap() else {
+            panic!("stream ended")
+        };
+        if let ReplicationMessage::XLogData { data, .. } = ReplicationMessage::decode(m).unwrap() {
+            got.extend_from_slice(&data);
+        }
+    }
+    assert!(got == wal, "streamed WAL differs from what was pushed");
+    d.stop().await.unwrap();
+}
