@@ -315,6 +315,9 @@ pub async fn run(
         max_fs_ratio: conf.max_disk_usage_ratio,
         datadir: conf.datadir.clone(),
     };
+    if limits.any() {
+        timelines.set_disk_limits(limits.clone());
+    }
     let disk = limits.any().then(|| {
         tokio::spawn(crate::lifecycle::run_disk_limits(
             timelines.clone(),

@@ -351,21 +351,14 @@ pub fn measure_disk_usage(timelines: &GlobalTimelines, limits: &crate::disk_usag
         None
     };
     for tl in timelines.all() {
-        let at = tl.status().write_lsn;
-        let used = match crate::disk_usage::dir_usage(&tl.dir) {
-            Ok(u) => u,
+        let changed = match tl.measure_disk(limits, fs) {
+            Ok(c) => c,
             Err(e) => {
                 tracing::warn!("measuring {}: {e}", tl.dir.display());
                 continue;
             }
         };
-        let gauge = crate::disk_usage::Gauge {
-            limits: Some(limits.clone()),
-            used,
-            at,
-            fs,
-        };
-        if let Some(v) = tl.set_disk_gauge(gauge) {
+        if let Some(v) = changed {
             let _span = crate::timeline::span(&tl.ttid).entered();
             match v {
                 Some(why) => tracing::warn!("refusing appends: {why}"),

@@ -109,6 +109,8 @@ pub struct GlobalTimelines {
     tombstones: Mutex<std::collections::HashSet<String>>,
     /// Tombstones whose remote objects are still to be deleted ([`REMOTE_PENDING`]).
     remote_pending: Mutex<std::collections::BTreeSet<String>>,
+    /// See [`GlobalTimelines::set_disk_limits`].
+    disk_limits: Mutex<Option<crate::disk_usage::DiskLimits>>,
     /// Whether the node backs WAL up (a deletion then has remote objects to delete).
     remote_on: std::sync::atomic::AtomicBool,
     /// Wakes the manager supervisor ([`crate::lifecycle`]): a timeline was added or deleted.
@@ -228,6 +230,7 @@ impl GlobalTimelines {
             remote_on: std::sync::atomic::AtomicBool::new(false),
             changed: tokio::sync::Notify::new(),
             pulling: Default::default(),
+            disk_limits: Mutex::new(None),
         })
     }
 
@@ -240,6 +243,32 @@ impl GlobalTimelines {
     /// (recorded in its tombstone, done by [`crate::lifecycle`]).
     pub fn set_remote_storage(&self, on: bool) {
         self.remote_on.store(on, Ordering::SeqCst);
+    }
+
+    /// The node's disk limits: a timeline added from now on is measured before it takes its
+    /// first append (the periodic measurement, [`crate::lifecycle::run_disk_limits`], would
+    /// leave it unlimited until its next round).
+    pub fn set_disk_limits(&self, limits: crate::disk_usage::DiskLimits) {
+        *self.disk_limits.lock().expect("disk limits lock") = Some(limits);
+    }
+
+    /// Measures a timeline about to be added against the disk limits, if any. Blocking.
+    fn measure_new(&self, tl: &Timeline) {
+        let Some(limits) = self.disk_limits.lock().expect("disk limits lock").clone() else {
+            return;
+        };
+        let fs = if limits.max_fs_ratio > 0.0 {
+            crate::disk_usage::fs_usage(&limits.datadir)
+                .inspect_err(|e| tracing::warn!("measuring the data directory's file system: {e}"))
+                .ok()
+        } else {
+            None
+        };
+        match tl.measure_disk(&limits, fs) {
+            Ok(Some(Some(why))) => tracing::warn!(ttid = %tl.ttid, "refusing appends: {why}"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!("measuring {}: {e}", tl.dir.display()),
+        }
     }
 
     /// Notified when a timeline is added or deleted (one stored permit).
@@ -363,6 +392,7 @@ impl GlobalTimelines {
             // and adopts the proposer's configuration through the usual checks.
             mconf: Configuration::default(),
         })?);
+        self.measure_new(&tl);
         self.map
             .lock()
             .expect("timelines lock")
@@ -401,6 +431,7 @@ impl GlobalTimelines {
         ] {
             self.clear_tombstone(&name)?;
         }
+        self.measure_new(&tl);
         self.map
             .lock()
             .expect("timelines lock")
@@ -518,6 +549,7 @@ impl GlobalTimelines {
         for name in [ttid.tenant_id.to_string(), name] {
             self.clear_tombstone(&name)?;
         }
+        self.measure_new(&tl);
         self.map
             .lock()
             .expect("timelines lock")
@@ -1135,6 +1167,43 @@ mod tests {
             }
         }
         assert!(saw.0 && saw.1, "both outcomes were reached: {saw:?}");
+    }
+
+    /// Issue 26, defect 9: a timeline created between two rounds of the disk measurement is
+    /// held to the limits from its first append (it used to be unlimited until the next
+    /// round, up to a second of unpaced ingest).
+    #[test]
+    fn a_new_timeline_is_held_to_the_disk_limits_from_its_first_append() {
+        use crate::test_util::{append_msg, elect, greeting, run};
+        use pg_wal::generator::WalGenerator;
+        use sk_core::types::Lsn;
+
+        const SEG: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let timelines =
+            GlobalTimelines::load_in(Fs::real(), dir.path(), NodeId(1), true).expect("loads");
+        // Below what a timeline's control file alone takes on disk.
+        timelines.set_disk_limits(crate::disk_usage::DiskLimits {
+            max_timeline_bytes: 512,
+            max_fs_ratio: 0.0,
+            datadir: dir.path().to_path_buf(),
+        });
+        let g = greeting(4, SEG);
+        let tl = timelines.get_or_create(&g, true).unwrap();
+        run(&tl, ProposerAcceptorMessage::Greeting(g.clone()));
+        let start = Lsn(SEG);
+        elect(&tl, 1, &[(1, start)]);
+        let mut wal = Vec::new();
+        WalGenerator::new(42, SEG, start)
+            .unwrap()
+            .fill(&mut wal, 8192, &[1; 100]);
+        let err = crate::blocking::section(|| tl.process_msg(&append_msg(1, start, &wal, start)))
+            .expect_err("refused at once");
+        assert!(
+            err.to_string().contains("--max-timeline-disk-usage"),
+            "{err}"
+        );
+        assert_eq!(tl.positions().flush_lsn, start);
     }
 
     /// Item 2 of issue 13: a process crash (kill -9, the abort after a failed fsync) keeps the

@@ -616,6 +616,25 @@ impl Timeline {
         (before.is_some() != after.is_some()).then_some(after)
     }
 
+    /// Measures this timeline's directory against `limits` (with `fs`, the file system's
+    /// sample, if measured) and installs the gauge; returns what [`Timeline::set_disk_gauge`]
+    /// does. Blocking (reads the directory).
+    pub fn measure_disk(
+        &self,
+        limits: &crate::disk_usage::DiskLimits,
+        fs: Option<crate::disk_usage::FsSample>,
+    ) -> std::io::Result<Option<Option<String>>> {
+        // The write LSN before the directory is read: bytes written meanwhile count twice.
+        let at = self.view.lock().write_lsn;
+        let used = crate::disk_usage::dir_usage(&self.dir)?;
+        Ok(self.set_disk_gauge(crate::disk_usage::Gauge {
+            limits: Some(limits.clone()),
+            used,
+            at,
+            fs,
+        }))
+    }
+
     /// Every local segment below this number was removed (or is being removed).
     pub fn removed_below(&self) -> u64 {
         self.holds.removed_below()
