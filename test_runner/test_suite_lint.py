@@ -114,3 +114,23 @@ def test_only_the_ci_aware_helper_skips():
         if "mark.skip" in p.read_text() and p.name != "test_suite_lint.py"
     ]
     assert not marks, f"skip marks: {marks}"
+
+
+def constant(expr: ast.AST) -> bool:
+    """Whether `expr` reads nothing: no name, call, attribute or subscript (e.g. `True`,
+    `1 == 1`, `"x" in "xy"`), so an assertion of it cannot depend on the system under test."""
+    return not any(
+        isinstance(n, ast.Name | ast.Call | ast.Attribute | ast.Subscript) for n in ast.walk(expr)
+    )
+
+
+def test_no_assertion_is_of_a_constant():
+    found = []
+    for path, tree in parsed().items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Assert) and constant(n.test):
+                found.append(f"{path.relative_to(HERE)}:{n.lineno}")
+    assert not found, f"assertions that cannot fail (or always fail): {found}"
+    # The lint can fail, and lets through what reads the system.
+    assert constant(ast.parse("assert 1 == 1").body[0].test)
+    assert not constant(ast.parse("assert r.ok").body[0].test)
