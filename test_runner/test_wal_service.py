@@ -4,14 +4,29 @@ real `pg_waldump`."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
+import struct
 import subprocess
+import time
 
 import pytest
 import requests
 
-from fixtures.daemon import lsn_int, read_wal, timeline_dir, walproposer
+from fixtures.daemon import (
+    RELEASE_DIR,
+    TENANT,
+    TIMELINE,
+    fmt_lsn,
+    lsn_int,
+    read_wal,
+    timeline_dir,
+    wait_until,
+    walproposer,
+)
+from fixtures.pgwire import connect, query, read_message
 from fixtures.tools import before, receivewal, require, require_pg_tool
 
 SEG = 16 << 20
@@ -114,3 +129,164 @@ def test_timeline_status_and_metrics_after_ingest(safekeeper):
         re.M,
     )
     assert appends and int(appends.group(1)) > 0, text
+
+
+def tl_status(sk) -> dict:
+    r = requests.get(f"{sk.http}/v1/tenant/{TENANT}/timeline/{TIMELINE}", timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def flush_ahead_of_commit(safekeeper_factory) -> tuple:
+    """Three safekeepers and a paced walproposer; once WAL is committed, two of them are
+    frozen (SIGSTOP), so the proposer's commit stops while the third goes on flushing what it
+    is sent; then the proposer and the frozen two are killed. Returns (the third, its
+    commit_lsn, its flush_lsn), flush at least 1 MiB past commit, neither moving any more."""
+    sks = [safekeeper_factory(i).start() for i in (1, 2, 3)]
+    wp = subprocess.Popen(
+        [str(RELEASE_DIR / "walproposer"), "--safekeepers"]
+        + [",".join(f"127.0.0.1:{sk.pg_port}" for sk in sks)]
+        + ["--total", "64M", "--rate", "8M", "--record-size", "1000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    try:
+        third = sks[2]
+
+        def positions() -> tuple[int, int]:
+            st = tl_status(third)
+            return lsn_int(st["commit_lsn"]), lsn_int(st["flush_lsn"])
+
+        def committed() -> bool:
+            try:
+                return positions()[0] > 0x1000000 + (1 << 20)
+            except requests.HTTPError:
+                return False  # the proposer has not created the timeline there yet
+
+        wait_until(committed, "1 MiB committed on the third safekeeper")
+        for sk in sks[:2]:
+            sk.proc.send_signal(signal.SIGSTOP)
+        wait_until(
+            lambda: positions()[1] > positions()[0] + (2 << 20),
+            "the third safekeeper's flush_lsn 2 MiB ahead of its commit_lsn",
+        )
+        assert wp.poll() is None, "the walproposer ended"
+    finally:
+        wp.kill()
+        wp.wait()
+    for sk in sks[:2]:
+        sk.kill()
+    # The last messages the proposer sent are processed: the positions stand still.
+    prev = [positions()]
+
+    def still() -> bool:
+        now = positions()
+        same = now == prev[0]
+        prev[0] = now
+        return same
+
+    wait_until(still, "the third safekeeper's positions to stand still", interval=0.3)
+    commit, flush = prev[0]
+    assert flush > commit + (1 << 20), (fmt_lsn(commit), fmt_lsn(flush))
+    return third, commit, flush
+
+
+def stream_until_idle(port: int, start: int, commit: int) -> tuple[bytes, int, set[int]]:
+    """A raw replication stream from `start`: reads XLogData until it has `commit`, then asks
+    for a reply (a status update with the reply flag) and reads on until a keepalive answers
+    after it. The walsender sends every WAL byte it has before it looks at the client again
+    (its loop sends the next chunk as long as one is due), so anything it would serve past
+    `commit` arrives before that keepalive. Returns the bytes received, where they end, and
+    every wal_end the server reported (XLogData and keepalives)."""
+    s = connect(port)
+    assert not isinstance(s, dict), s
+    try:
+        tag, body = query(s, f"START_REPLICATION PHYSICAL {fmt_lsn(start)}")
+        assert tag == b"W", body
+        data = bytearray()
+        pos = start
+        ends: set[int] = set()
+        asked = False
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, f"stream stuck at {fmt_lsn(pos)}"
+            tag, body = read_message(s)
+            assert tag == b"d", (tag, body[:200])
+            if body[:1] == b"w":
+                wal_start, wal_end = struct.unpack("!QQ", body[1:17])
+                assert wal_start == pos, (fmt_lsn(wal_start), fmt_lsn(pos))
+                ends.add(wal_end)
+                data += body[25:]
+                pos += len(body) - 25
+            elif body[:1] == b"k":
+                ends.add(struct.unpack("!Q", body[1:9])[0])
+                if asked:
+                    return bytes(data), pos, ends
+            if pos >= commit and not asked:
+                update = b"r" + struct.pack("!QQQqB", pos, pos, 0, 0, 1)
+                s.sendall(b"d" + struct.pack("!I", 4 + len(update)) + update)
+                asked = True
+    finally:
+        s.close()
+
+
+def test_plain_readers_get_committed_wal_only_while_flush_is_ahead_of_commit(
+    safekeeper_factory, tmp_path
+):
+    """A safekeeper whose flush_lsn is past its commit_lsn (the proposer lost its quorum and
+    died): the WAL past commit is on its disk, and neither a real pg_receivewal nor a raw
+    replication client is sent a byte of it (`send_wal.rs`'s `end_of`: a plain reader's end is
+    commit_lsn). Served up to flush_lsn, a standby would apply WAL a later election may
+    truncate."""
+    sk, commit, flush = flush_ahead_of_commit(safekeeper_factory)
+    start = lsn_int(tl_status(sk)["timeline_start_lsn"])
+    on_disk = read_wal(sk, start, flush)
+    # The WAL past commit exists on the node's disk (generated records, not zeros).
+    assert on_disk[commit - start :].strip(b"\0"), "no WAL past commit on disk"
+
+    # A real pg_receivewal from the timeline's start, asked to stop at the flush LSN: it gets
+    # everything up to commit (identical to the disk), and never reaches the flush LSN.
+    exe = require("pg_receivewal", "postgresql-client-15")
+    recv = tmp_path / "recv"
+    recv.mkdir()
+    rw = subprocess.Popen(
+        [exe, "-D", str(recv), "-h", "127.0.0.1", "-p", str(sk.pg_port), "-U", "postgres"]
+        + ["--no-loop", "--no-password", "--slot", "s1", "--endpos", before(fmt_lsn(flush))]
+        + ["--status-interval", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    seg_start = commit - commit % SEG
+    per = 2**32 // SEG
+    partial = recv / f"{1:08X}{seg_start // SEG // per:08X}{seg_start // SEG % per:08X}.partial"
+
+    def received_to_commit() -> bool:
+        assert rw.poll() is None, rw.stderr.read().decode(errors="replace")
+        if not partial.exists():
+            return False
+        with open(partial, "rb") as f:
+            got = f.read(commit - seg_start)
+        return got == on_disk[seg_start - start : commit - start]
+
+    try:
+        wait_until(received_to_commit, "pg_receivewal to receive the WAL up to commit_lsn")
+        # The deterministic check: a raw stream gets exactly [start, commit) and the server
+        # reports commit as its end (XLogData and keepalives alike).
+        data, end, ends = stream_until_idle(sk.pg_port, start, commit)
+        assert end == commit, f"served up to {fmt_lsn(end)}, commit_lsn {fmt_lsn(commit)}"
+        assert data == on_disk[: commit - start]
+        assert ends == {commit}, sorted(map(fmt_lsn, ends))
+        # pg_receivewal, streaming all along, got nothing past commit either.
+        assert rw.poll() is None, "pg_receivewal reached the flush LSN (its --endpos)"
+    finally:
+        rw.terminate()
+        rw.wait(timeout=30)
+    with open(partial, "rb") as f:
+        past = f.read()[commit - seg_start :]
+    assert not past.strip(b"\0"), "pg_receivewal received WAL past commit_lsn"
+    later = [p.name for p in recv.iterdir() if p.name[:24] > partial.name[:24]]
+    assert not later, later
+    # The node's positions did not move meanwhile.
+    st = tl_status(sk)
+    assert (lsn_int(st["commit_lsn"]), lsn_int(st["flush_lsn"])) == (commit, flush)
