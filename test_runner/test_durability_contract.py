@@ -13,8 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "durability.md"
 PROMISE = re.compile(r"^(\d+)\. \*\*", re.MULTILINE)
 PYTEST_REF = re.compile(r"`test_runner/(test_\w+\.py)::(test_\w+)`")
-# A Rust test: a backticked path whose last segment is a long snake_case name (test names are).
-RUST_REF = re.compile(r"`(?:[\w/.]+::)*([a-z][a-z0-9]*(?:_[a-z0-9]+){3,})`")
+# A backticked snake_case name with at least one underscore, optionally behind a path of
+# `::`-separated segments (a module, a type, or a file such as `safekeeper/tests/x.rs`). Which
+# of these are Rust references is `rust_refs`'s choice.
+RUST_REF = re.compile(r"`((?:[\w/.-]+::)*)([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`")
 
 
 def promise_sections() -> dict[int, str]:
@@ -47,13 +49,51 @@ def crate_dirs() -> list[Path]:
     return [ROOT / member for member in workspace["members"]]
 
 
-def rust_functions() -> set[str]:
-    """The names of every Rust function of every crate (sources, tests, benches)."""
-    names: set[str] = set()
+def rust_functions_by_file() -> dict[Path, set[str]]:
+    """The names of the Rust functions of every file of every crate (sources, tests, benches),
+    by path relative to the repository."""
+    out: dict[Path, set[str]] = {}
     for crate in crate_dirs():
         for path in crate.rglob("*.rs"):
-            names.update(re.findall(r"\bfn (\w+)\s*[(<]", path.read_text()))
-    return names
+            if "target" in path.relative_to(ROOT).parts:
+                continue
+            out[path.relative_to(ROOT)] = set(re.findall(r"\bfn (\w+)\s*[(<]", path.read_text()))
+    return out
+
+
+def crate_names() -> dict[str, Path]:
+    """Each crate's name as Rust paths spell it (`sk_core`) -> its directory."""
+    out = {}
+    for d in crate_dirs():
+        name = tomllib.loads((d / "Cargo.toml").read_text())["package"]["name"]
+        out[name.replace("-", "_")] = d.relative_to(ROOT)
+    return out
+
+
+def rust_refs(text: str) -> list[tuple[str, str]]:
+    """The Rust functions `text` cites, as (path, name): every name behind a path (a test in a
+    `tests` module, a file's test, a function by module or type), whatever its length, and bare
+    names of four or more words (test names are; a shorter bare name is a field, a tool or a
+    flag: `flush_lsn`, `pg_receivewal`). Pytest references are not Rust ones."""
+    return [
+        (path, name)
+        for path, name in RUST_REF.findall(PYTEST_REF.sub("", text))
+        if path or name.count("_") >= 3
+    ]
+
+
+def rust_ref_exists(path: str, name: str, by_file: dict[Path, set[str]]) -> bool:
+    """Whether function `name` exists where `path` says: in that file (`x/tests/y.rs::`), in
+    that crate (`sk_core::...`), or anywhere (a bare name, or a path from a module or type)."""
+    segments = path.split("::")[:-1]
+    if segments and segments[0].endswith(".rs"):
+        return name in by_file.get(Path(segments[0]), set())
+    crate = crate_names().get(segments[0]) if segments else None
+    return any(
+        name in names
+        for file, names in by_file.items()
+        if crate is None or file.is_relative_to(crate)
+    )
 
 
 def test_every_crate_is_searched():
@@ -69,7 +109,7 @@ def test_the_contract_names_fourteen_promises():
 def test_every_promise_names_tests_that_exist():
     sections = promise_sections()
     marked = pytest_promises()
-    rust = rust_functions()
+    by_file = rust_functions_by_file()
     problems = []
     for n, text in sections.items():
         named = 0
@@ -79,13 +119,35 @@ def test_every_promise_names_tests_that_exist():
                 problems.append(f"promise {n}: {file}::{test} does not exist")
             elif n not in marked[(file, test)]:
                 problems.append(f"promise {n}: {file}::{test} lacks @pytest.mark.promise({n})")
-        for test in RUST_REF.findall(PYTEST_REF.sub("", text)):
+        for path, test in rust_refs(text):
             named += 1
-            if test not in rust:
-                problems.append(f"promise {n}: Rust test {test} does not exist")
+            if not rust_ref_exists(path, test, by_file):
+                problems.append(f"promise {n}: Rust test {path}{test} does not exist")
         if named == 0:
             problems.append(f"promise {n} names no test")
     assert not problems, "\n".join(problems)
+
+
+def test_short_and_pathed_rust_names_are_checked():
+    """The contract cites short test names (`vote_survives_reboot`) by path: they are checked
+    like long ones, in the file or crate the path names; short bare names are not tests."""
+    refs = rust_refs(
+        "`sk_core::safekeeper::tests::vote_survives_reboot`, `flush_lsn`, `pg_receivewal`, "
+        "`safekeeper/tests/wal_service.rs::garbage_copy_data_gets_a_protocol_error`, "
+        "`model_file_stores_on_simulated_fs_survive_power_loss`, "
+        "`test_runner/test_daemon.py::test_sigterm_exits_zero_promptly`"
+    )
+    assert refs == [
+        ("sk_core::safekeeper::tests::", "vote_survives_reboot"),
+        ("safekeeper/tests/wal_service.rs::", "garbage_copy_data_gets_a_protocol_error"),
+        ("", "model_file_stores_on_simulated_fs_survive_power_loss"),
+    ], refs
+    by_file = rust_functions_by_file()
+    assert all(rust_ref_exists(p, n, by_file) for p, n in refs)
+    # A name that exists elsewhere is not found in the wrong file or crate, nor a missing one.
+    assert not rust_ref_exists("safekeeper/tests/wal_service.rs::", "vote_survives_reboot", by_file)
+    assert not rust_ref_exists("walproposer::tests::", "vote_survives_reboot", by_file)
+    assert not rust_ref_exists("sk_core::safekeeper::tests::", "vote_survives_reboots", by_file)
 
 
 def test_every_marked_test_is_named_under_its_promise():
