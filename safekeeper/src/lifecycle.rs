@@ -54,9 +54,10 @@ pub async fn run(timelines: Arc<GlobalTimelines>, settings: Settings, cancel: Ca
     let mut drivers: HashMap<TenantTimelineId, (Arc<Timeline>, tokio::task::JoinHandle<()>)> =
         HashMap::new();
     let mut deleting: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
-    if settings.backup.is_some() {
+    if let Some(b) = &settings.backup {
         // Every timeline gets the store with its driver, at the first tick (at once).
         timelines.set_remote_storage(true);
+        timelines.set_remote_url(b.storage.url().to_string());
     }
     let mut ticker = crate::ticker::Ticker::new(settings.supervise_every);
     let changed = timelines.changed();

@@ -283,6 +283,9 @@ struct PeerStatus {
     last_log_term: Term,
     flush_lsn: String,
     mconf: sk_core::state::Configuration,
+    /// Where the peer backs the timeline up (absent: it has no remote storage).
+    #[serde(default)]
+    remote_location: Option<String>,
 }
 
 /// `POST /v1/pull_timeline`: copies `ttid` from the most advanced of `hosts` (a majority must
@@ -306,6 +309,7 @@ pub fn pull_timeline(
         ttid.tenant_id, ttid.timeline_id
     );
     let mut answers = Vec::new();
+    let mut locations = std::collections::HashMap::new();
     let mut failures = Vec::new();
     for host in hosts {
         match client.get(host, &path).and_then(|mut r| {
@@ -318,18 +322,37 @@ pub fn pull_timeline(
                 .flush_lsn
                 .parse()
                 .map_err(|e| format!("{host}: flush_lsn: {e}"))?;
-            Ok(((s.last_log_term, flush), s.node_id, s.mconf))
+            Ok((
+                (s.last_log_term, flush),
+                s.node_id,
+                s.mconf,
+                s.remote_location,
+            ))
         }) {
-            Ok((pos, id, mconf)) => answers.push(PeerAnswer {
-                pos,
-                host: host.clone(),
-                id,
-                mconf,
-            }),
+            Ok((pos, id, mconf, location)) => {
+                locations.insert(host.clone(), location);
+                answers.push(PeerAnswer {
+                    pos,
+                    host: host.clone(),
+                    id,
+                    mconf,
+                })
+            }
             Err(e) => failures.push(e),
         }
     }
     let (source, best) = choose_source(answers, &failures, hosts.len())?;
+    // From the backed-up point, the WAL below the snapshot is served from this node's store:
+    // it must be the store the donor backed it up to.
+    if let (Some(ours), Some(Some(theirs))) =
+        (timelines.remote_location(&ttid), locations.get(&source))
+        && ours != *theirs
+    {
+        return Err(PullError::Peer(format!(
+            "{source} backs the timeline up to {theirs}, this node to {ours}: a pull needs both \
+             on the same remote storage (the WAL below the snapshot is read from it)"
+        )));
+    }
     tracing::info!(%source, best_term = %best.0, best_flush = %best.1, "pulling from the most advanced peer");
     let path = format!(
         "/v1/tenant/{}/timeline/{}/snapshot?remote={}",

@@ -109,6 +109,8 @@ pub struct GlobalTimelines {
     tombstones: Mutex<std::collections::HashSet<String>>,
     /// Tombstones whose remote objects are still to be deleted ([`REMOTE_PENDING`]).
     remote_pending: Mutex<std::collections::BTreeSet<String>>,
+    /// See [`GlobalTimelines::set_remote_url`].
+    remote_url: std::sync::OnceLock<String>,
     /// See [`GlobalTimelines::set_disk_limits`].
     disk_limits: Mutex<Option<crate::disk_usage::DiskLimits>>,
     /// Whether the node backs WAL up (a deletion then has remote objects to delete).
@@ -231,6 +233,7 @@ impl GlobalTimelines {
             changed: tokio::sync::Notify::new(),
             pulling: Default::default(),
             disk_limits: Mutex::new(None),
+            remote_url: std::sync::OnceLock::new(),
         })
     }
 
@@ -269,6 +272,19 @@ impl GlobalTimelines {
             Ok(_) => {}
             Err(e) => tracing::warn!("measuring {}: {e}", tl.dir.display()),
         }
+    }
+
+    /// The node's remote storage's address (`--remote-storage`), as the status pages show it.
+    pub fn set_remote_url(&self, url: String) {
+        let _ = self.remote_url.set(url);
+    }
+
+    /// Where `ttid` is (or would be) backed up on this node, as a timeline's status says
+    /// (`remote_location`); `None` without remote storage.
+    pub fn remote_location(&self, ttid: &TenantTimelineId) -> Option<String> {
+        self.remote_url
+            .get()
+            .map(|url| crate::remote_storage::timeline_location(url, ttid))
     }
 
     /// Notified when a timeline is added or deleted (one stored permit).

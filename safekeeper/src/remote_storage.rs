@@ -258,8 +258,7 @@ impl RemoteStorage {
 
     /// Where a timeline's segments are stored, for the status page.
     pub fn timeline_location(&self, ttid: &TenantTimelineId) -> String {
-        let tl = format!("{}/{}", ttid.tenant_id, ttid.timeline_id);
-        format!("{}/{tl}", self.url)
+        timeline_location(&self.url, ttid)
     }
 
     fn object(&self, ttid: &TenantTimelineId, segno: u64, seg_size: u64) -> ObjPath {
@@ -437,4 +436,9 @@ fn verify_stored(
         );
     }
     Ok(())
+}
+
+/// Where timeline `ttid`'s segments are in the store at `url` (its status's `remote_location`).
+pub fn timeline_location(url: &str, ttid: &TenantTimelineId) -> String {
+    format!("{url}/{}/{}", ttid.tenant_id, ttid.timeline_id)
 }

@@ -122,3 +122,60 @@ async fn pulled_timeline_is_byte_identical_and_serves() {
         d.stop().await.unwrap();
     }
 }
+
+/// With remote storage the snapshot starts at the donor's backed-up point and the puller
+/// serves the WAL below it from its own store: a puller on another store than the donor's is
+/// refused, naming both (it would have served the early WAL from a store that lacks it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_needs_the_donors_remote_storage() {
+    let (d1dir, d2dir, store1, store2) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let on = |store: &tempfile::TempDir| {
+        let url = format!("file://{}", store.path().display());
+        move |c: &mut safekeeper::config::Conf| c.remote_storage = Some(url)
+    };
+    let d1 = TestDaemon::start_with(d1dir.path(), 1, on(&store1)).await;
+    let (mut p, _) = Client::elect(&d1, START).await;
+    let mut wal = Vec::new();
+    WalGenerator::new(SYSID, SEG_SIZE, START)
+        .unwrap()
+        .fill(&mut wal, 64 << 10, &[1; 300]);
+    let end = Lsn(START.0 + wal.len() as u64);
+    p.writer
+        .send(&p.append(START, &wal, Lsn::INVALID))
+        .await
+        .unwrap();
+    while let AcceptorProposerMessage::AppendResponse(r) = p.reader.recv().await.unwrap() {
+        if r.flush_lsn == end {
+            break;
+        }
+    }
+    let d2 = TestDaemon::start_with(d2dir.path(), 2, on(&store2)).await;
+    let (code, body) = pull(&d2, &[&d1]).await;
+    assert_eq!(code, 502, "{body}");
+    let (s1, s2) = (
+        store1.path().display().to_string(),
+        store2.path().display().to_string(),
+    );
+    assert!(
+        body.contains("same remote storage") && body.contains(&s1) && body.contains(&s2),
+        "{body}"
+    );
+    assert!(
+        d2.try_timeline_status().await.is_none(),
+        "nothing installed"
+    );
+    // On the donor's store, the same pull goes through.
+    d2.stop().await.unwrap();
+    let d2 = TestDaemon::start_with(d2dir.path(), 2, on(&store1)).await;
+    let (code, body) = pull(&d2, &[&d1]).await;
+    assert_eq!(code, 200, "{body}");
+    drop(p);
+    for d in [d1, d2] {
+        d.stop().await.unwrap();
+    }
+}
