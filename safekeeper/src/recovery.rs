@@ -570,6 +570,18 @@ mod tests {
             check_donor(&m, &voted_only),
             Err(NotADonor::NotAhead | NotADonor::OtherTerm { .. })
         ));
+        // The hazard of `(term='N')` streams: we voted for term 2 and so did the peer, which is
+        // ahead in term-1 WAL only (it never got term 2's `ProposerElected`): its tail may be
+        // truncated by term 2's proposer, so it is no donor.
+        let voted = me(2, &[(1, 100)], 900);
+        let ahead_in_older_wal = peer(7, 2, &[(1, 100)], 5000);
+        assert!(matches!(
+            check_donor(&voted, &ahead_in_older_wal),
+            Err(NotADonor::OtherTerm {
+                last_log_term: Term(1),
+                ..
+            })
+        ));
         // A newer term than ours: never (we would have to vote first).
         let newer = peer(5, 4, &[(1, 100), (3, 500), (4, 2000)], 2500);
         assert!(matches!(
