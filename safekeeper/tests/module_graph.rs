@@ -50,22 +50,66 @@ fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
             None => &text[..],
         };
         let deps = graph.entry(module.clone()).or_default();
-        for line in code.lines() {
-            let line = line.split("//").next().unwrap();
-            let mut rest = line;
-            while let Some(i) = rest.find("crate::") {
-                rest = &rest[i + "crate::".len()..];
-                let dep: String = rest
-                    .chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_')
-                    .collect();
-                if !dep.is_empty() && dep != module {
-                    deps.insert(dep);
-                }
+        let code: String = code
+            .lines()
+            .map(|l| l.split("//").next().unwrap())
+            .collect::<Vec<_>>()
+            .join("\n");
+        for dep in crate_paths(&code) {
+            if dep != module {
+                deps.insert(dep);
             }
         }
     }
     graph
+}
+
+/// The first segment of every `crate::` path in `code`, grouped imports included
+/// (`use crate::{a, b::{C, D}}` names `a` and `b`).
+fn crate_paths(code: &str) -> Vec<String> {
+    let ident = |s: &str| -> String {
+        s.trim_start()
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("crate::") {
+        rest = &rest[i + "crate::".len()..];
+        let Some(group) = rest.strip_prefix('{') else {
+            out.push(ident(rest));
+            continue;
+        };
+        // The items at depth one of the group, each up to its comma.
+        let (mut depth, mut item_start) = (0usize, 0usize);
+        for (j, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    out.push(ident(&group[item_start..j]));
+                    break;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.push(ident(&group[item_start..j]));
+                    item_start = j + 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    out.retain(|d| !d.is_empty() && d != "self");
+    out
+}
+
+#[test]
+fn grouped_imports_are_edges_too() {
+    let code = "use crate::{config::Conf, daemon,\n    wal_store::{A, B}};\nlet x = crate::lifecycle::run;";
+    assert_eq!(
+        crate_paths(code),
+        ["config", "daemon", "wal_store", "lifecycle"]
+    );
 }
 
 /// A cycle through `start`, if there is one (depth-first search).
