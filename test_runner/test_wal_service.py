@@ -262,7 +262,12 @@ def test_plain_readers_get_committed_wal_only_while_flush_is_ahead_of_commit(
     partial = recv / f"{1:08X}{seg_start // SEG // per:08X}{seg_start // SEG % per:08X}.partial"
 
     def received_to_commit() -> bool:
-        assert rw.poll() is None, rw.stderr.read().decode(errors="replace")
+        # Exit 0: it reached its --endpos, the flush LSN: it was served past commit.
+        assert rw.poll() is None, (
+            f"pg_receivewal ended (exit {rw.returncode}; 0: at its --endpos, the flush LSN) "
+            f"instead of waiting at commit {fmt_lsn(commit)}: "
+            f"{rw.stderr.read().decode(errors='replace')}"
+        )
         if not partial.exists():
             return False
         with open(partial, "rb") as f:
