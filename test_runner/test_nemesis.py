@@ -31,7 +31,6 @@ e.g. NEMESIS_STEPS=200 NEMESIS_SEEDS=1,2,3)."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import random
 import signal
@@ -43,8 +42,8 @@ import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, fmt_lsn, lsn_int, wait_until
+from fixtures.ledger import check_ledger, ledger, verify, verify_received
 from fixtures.tools import require
-from test_crash import check_ledger, ledger
 from test_faults import failpoint
 from test_node_replacement import TL_PATH, Cluster
 from test_wal_lifecycle import BUCKET, S3Store
@@ -405,6 +404,11 @@ def test_nemesis(tmp_path, seed):
         assert received and received[0] == seg_name(start // SEG), (received[:3], reader.runs)
         compared2 = compare_received(recv2, reference, start, end2, f"seed {seed}: reader 2")
         assert compared2 >= end2 - start - SEG, (compared2, end2 - start)
+        # And by the ledger's digests: reader 1 up to its last complete segment, reader 2 up to
+        # where it was asked to stop.
+        complete1 = max(int(n[8:16], 16) * (2**32 // SEG) + int(n[16:], 16) for n in received) + 1
+        assert verify_received(ack_log, recv, min(complete1 * SEG, max_acked), SEG).ranges > 0
+        assert verify_received(ack_log, recv2, end2, SEG).ranges > 0
         digest = {
             hashlib.sha256(wal_of(cluster, i, store, start, max_acked)).hexdigest() for i in members
         }
@@ -508,8 +512,7 @@ def check_store(cluster, store, members, lines, reference, start, max_acked, see
             stored[int(name[8:16], 16) * (2**32 // SEG) + int(name[16:24], 16)] = key
     missing = [seg_name(n) for n in range(start // SEG, target // SEG) if n not in stored]
     assert not missing, f"seed {seed}: complete segments not in the store: {missing[:5]}"
-    prefix = bytearray()
-    contiguous = True
+    prefix: dict[str, bytes] = {}  # the stored segments from the first one on, without a gap
     for segno in sorted(stored):
         data = store.s3.get_object(Bucket=BUCKET, Key=stored[segno])["Body"].read()
         name = seg_name(segno)
@@ -523,16 +526,11 @@ def check_store(cluster, store, members, lines, reference, start, max_acked, see
             local = cluster.sk(i).datadir / TENANT / TIMELINE / name
             if (segno + 1) * SEG <= commits[i] and local.exists():
                 assert local.read_bytes() == data, f"seed {seed}: stored {name} != node {i}'s"
-        contiguous = contiguous and segno == start // SEG + len(prefix) // SEG
-        if contiguous:
-            prefix += data
+        if segno == start // SEG + len(prefix):
+            prefix[name] = data
     # The ledger against the store alone: every acknowledged range within the stored prefix.
-    stored_end = start // SEG * SEG + len(prefix)
-    ranges, checked = check_ledger(
-        list(itertools.takewhile(lambda line: line[0] <= stored_end, lines)),
-        bytes(prefix[start % SEG :]),
-        start,
-    )
+    stored_end = (start // SEG + len(prefix)) * SEG
+    ranges, checked = verify(lines, prefix, SEG, lo=start, hi=stored_end)
     assert ranges > 0, f"seed {seed}: no acknowledged range checked in the store"
     return len(stored), checked
 
