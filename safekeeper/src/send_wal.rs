@@ -26,6 +26,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::metrics;
+use crate::remove_wal::ReadHold;
 use crate::timeline::{Positions, TermRead, Timeline};
 use crate::wal_backup::RemoteReader;
 use pg_wal::format::xlog_file_name;
@@ -162,6 +163,42 @@ impl From<PqError> for Ending {
     fn from(e: PqError) -> Self {
         Ending::Io(e)
     }
+}
+
+/// Flushes what `writer` buffered for a reader at `pos`. A reader that stopped reading blocks
+/// the flush: if it holds local WAL (`hold`), the hold is released once the end of WAL is more
+/// than `max_hold` bytes past `pos` (removal would otherwise wait for it without bound); the
+/// flush goes on (the reader carries on from the store when it reads again).
+async fn flush_holding<W: AsyncWrite + Unpin>(
+    writer: &mut ServerWriter<W>,
+    watch: &mut tokio::sync::watch::Receiver<Positions>,
+    pos: Lsn,
+    max_hold: u64,
+    hold: &mut Option<ReadHold>,
+) -> Result<(), PqError> {
+    if hold.is_none() {
+        return writer.flush().await;
+    }
+    let past_limit = async {
+        while watch.changed().await.is_ok() {
+            if watch.borrow().flush_lsn.0.saturating_sub(pos.0) > max_hold {
+                return;
+            }
+        }
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        r = writer.flush() => return r,
+        () = past_limit => {}
+    }
+    *hold = None;
+    tracing::warn!(
+        %pos,
+        "a reader that stopped reading is more than --max-reader-hold {max_hold} bytes behind \
+         the end of WAL: its hold on local WAL is released"
+    );
+    // Cancellation-safe: the unsent bytes stayed buffered.
+    writer.flush().await
 }
 
 /// The streaming loop. `Ok(true)`: the client sent CopyDone; `Ok(false)`: it went away.
@@ -304,7 +341,7 @@ where
                     }
                 }
                 writer.write_xlog_data(pos, end, pg_now(), &buf);
-                writer.flush().await?;
+                flush_holding(writer, &mut watch, pos, max_hold, &mut hold).await?;
                 metrics::WAL_SENT_BYTES.inc_by(buf.len() as u64);
                 pos = chunk_end;
                 if let Some(h) = &hold {
@@ -322,7 +359,7 @@ where
             }
             _ = keepalive.tick() => {
                 writer.write_keepalive(end, pg_now(), true);
-                writer.flush().await?;
+                flush_holding(writer, &mut watch, pos, max_hold, &mut hold).await?;
             }
             _ = shutdown.cancelled() => {
                 return Err(Ending::Error(ErrorFields::fatal(

@@ -111,3 +111,74 @@ async fn a_plain_reader_gets_committed_wal_only_while_more_is_flushed() {
     assert!(got == wal, "streamed WAL differs from what was pushed");
     d.stop().await.unwrap();
 }
+
+/// `--max-reader-hold` (issue 26): a reader within the limit holds its local WAL against
+/// removal; one that stopped reading blocks the walsender in its send, and its hold must still
+/// end once the WAL is more than the limit past it, or removal waits for it forever (with a
+/// disk limit, refusing every append). Here a reader takes its hold at the start, reads one
+/// message and stops; 64 MiB more are committed and backed up; removal passes the reader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_stopped_reading_holds_no_wal_past_the_limit() {
+    let (dir, store) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let url = format!("file://{}", store.path().display());
+    let d = TestDaemon::start_with(dir.path(), 1, |c| {
+        c.remote_storage = Some(url);
+        c.wal_keep_size = 0;
+        c.max_reader_hold = SEG_SIZE;
+    })
+    .await;
+    let p = walproposer::Proposer::elect(proposer_config(vec![d.addr()], START))
+        .await
+        .expect("elected");
+    // 65 MiB at 32 MiB/s; the reader attaches at the start meanwhile.
+    let opts = walproposer::synthetic::SyntheticOptions {
+        total_bytes: 4 * SEG_SIZE + (1 << 20),
+        rate: Some(32 << 20),
+        ..Default::default()
+    };
+    let push = async {
+        walproposer::synthetic::run(&p, &opts).await.expect("WAL");
+        p.wait_commit(p.progress().end_lsn).await.expect("commit")
+    };
+    let attach = async {
+        loop {
+            let s = d.try_timeline_status().await;
+            if s.is_some_and(|s| s["commit_lsn"].as_str().unwrap().parse::<Lsn>().unwrap() > START)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let conn = ClientConn::connect(&client_config(&d)).await.unwrap();
+        let (mut r, w) = conn
+            .start_copy_both(&format!("START_REPLICATION PHYSICAL {START} TIMELINE 1"))
+            .await
+            .unwrap();
+        loop {
+            let CopyEvent::Data(m) = r.read().await.unwrap() else {
+                panic!("stream ended")
+            };
+            if let ReplicationMessage::XLogData { .. } = ReplicationMessage::decode(m).unwrap() {
+                // The reader reads no more; its hold was taken at the start (within the limit).
+                return (r, w);
+            }
+        }
+    };
+    let (end, reader) = tokio::join!(push, attach);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = d.timeline_status().await;
+        let horizon: Lsn = s["removal_horizon_lsn"].as_str().unwrap().parse().unwrap();
+        if horizon.0 >= START.0 + 3 * SEG_SIZE {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "removal stayed below the stopped reader: {s} (end {end})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(reader);
+    p.finish(Duration::from_secs(5)).await;
+    d.stop().await.unwrap();
+}
