@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,17 +16,15 @@ TEST_ONLY_ROUTES = [
     ("DELETE", "/v1/debug/retain_memory"),
 ]
 
-# The real binary built with every feature (`testing` included), in a target directory of its
-# own so that target/release/safekeeper stays the build users run.
-ALL_FEATURES_DIR = REPO / os.environ.get("CARGO_TARGET_DIR", "target") / "all-features"
-
 
 class AllFeaturesSafekeeper(Safekeeper):
-    """The real `safekeeper` binary of an `--all-features` build."""
+    """The real `safekeeper` binary of an `--all-features` build, copied to `path`."""
+
+    path: Path | None = None
 
     @property
     def binary(self) -> Path:
-        return ALL_FEATURES_DIR / "release" / "safekeeper"
+        return self.path
 
 
 def assert_test_only_routes_404(real: Safekeeper, testing: Safekeeper) -> None:
@@ -52,15 +50,19 @@ def test_release_binary_built_with_all_features_answers_404_too(safekeeper_facto
     """The README's promise: the real binary answers 404 on every test-only route even when
     built with `--all-features` (the `testing` feature compiles the routes in; only
     `safekeeper-testing` mounts them)."""
-    subprocess.run(
-        ["cargo", "build", "--release", "-p", "safekeeper", "--all-features"]
-        + ["--bin", "safekeeper"],
-        cwd=REPO,
-        env={**os.environ, "CARGO_TARGET_DIR": str(ALL_FEATURES_DIR)},
-        check=True,
-        timeout=3600,
-    )
+    # In the suite's own target directory: the library with every feature is the one
+    # `safekeeper-testing` links, so this is one link, not a second release build. The binary
+    # is copied out and the default one linked again at once (target/release/safekeeper stays
+    # the build users run, also if this test fails).
+    cargo = ["cargo", "build", "--release", "-p", "safekeeper", "--bin", "safekeeper"]
+    try:
+        subprocess.run([*cargo, "--all-features"], cwd=REPO, check=True, timeout=3600)
+        copy = tmp_path / "safekeeper-all-features"
+        shutil.copy2(RELEASE_DIR / "safekeeper", copy)
+    finally:
+        subprocess.run(cargo, cwd=REPO, check=True, timeout=3600)
     built = AllFeaturesSafekeeper(datadir=tmp_path / "sk1", node_id=1)
+    built.path = copy
     # The feature is in this build: the test routes' code is in the binary (it is not in the
     # default build's target/release/safekeeper).
     assert b"/v1/debug/retain_memory" in built.binary.read_bytes()
