@@ -231,6 +231,7 @@ def stream_until_idle(port: int, start: int, commit: int) -> tuple[bytes, int, s
         s.close()
 
 
+@pytest.mark.promise(3)
 def test_plain_readers_get_committed_wal_only_while_flush_is_ahead_of_commit(
     safekeeper_factory, tmp_path
 ):
