@@ -159,3 +159,14 @@ def test_every_marked_test_is_named_under_its_promise():
         if f"`test_runner/{file}::{test}`" not in sections.get(n, "")
     ]
     assert not problems, "\n".join(problems)
+
+
+def test_every_promise_has_a_mutant_in_every_ci_run():
+    """Issue 27: each promise's enforcing line is removed by a mutant that CI runs every time
+    (`ci = true` in scripts/mutants.toml), and every mutant names a promise of the contract."""
+    mutants = tomllib.loads((ROOT / "scripts" / "mutants.toml").read_text())["mutant"]
+    promises = set(promise_sections())
+    named = {m["promise"] for m in mutants}
+    assert named <= promises, f"mutants of promises the contract lacks: {named - promises}"
+    in_ci = {m["promise"] for m in mutants if m["ci"]}
+    assert in_ci == promises, f"promises without a mutant in every CI run: {promises - in_ci}"
