@@ -1220,6 +1220,25 @@ mod tests {
             "{err}"
         );
         assert_eq!(tl.positions().flush_lsn, start);
+
+        // Under a limit it is far from, a timeline measured before it had WAL takes its WAL:
+        // its bytes count from its first append, not from LSN 0 (which once refused it as
+        // using its whole start LSN).
+        timelines.set_disk_limits(crate::disk_usage::DiskLimits {
+            max_timeline_bytes: 4 << 20,
+            max_fs_ratio: 0.0,
+            datadir: dir.path().to_path_buf(),
+        });
+        let g = greeting(5, SEG);
+        let tl = timelines.get_or_create(&g, true).unwrap();
+        run(&tl, ProposerAcceptorMessage::Greeting(g.clone()));
+        let start = Lsn(64 * SEG);
+        elect(&tl, 1, &[(1, start)]);
+        let mut wal = Vec::new();
+        let mut wal_gen = WalGenerator::new(42, SEG, start).unwrap();
+        wal_gen.fill(&mut wal, 256 << 10, &[1; 100]);
+        crate::test_util::append(&tl, 1, start, &wal, start, true);
+        assert_eq!(tl.positions().flush_lsn, wal_gen.lsn());
     }
 
     /// Item 2 of issue 13: a process crash (kill -9, the abort after a failed fsync) keeps the

@@ -340,9 +340,14 @@ impl Timeline {
             _ => None,
         };
         // Read first: the leaf lock's guard must not live across the append below.
-        let limit = append
-            .filter(|a| !a.wal_data.is_empty())
-            .and_then(|a| self.disk.lock().refusal(a.h.begin_lsn));
+        let limit = append.filter(|a| !a.wal_data.is_empty()).and_then(|a| {
+            let mut gauge = self.disk.lock();
+            // Measured before the timeline had WAL: its bytes count from its first append.
+            if !gauge.at.is_valid() {
+                gauge.at = a.h.begin_lsn;
+            }
+            gauge.refusal(a.h.begin_lsn)
+        });
         if let Some(a) = append
             && let Some(why) = limit
         {
