@@ -20,6 +20,7 @@ import requests
 from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, lsn_int, max_acked, wait_until
 from fixtures.pgwire import (
     OPTIONS,
+    assert_closed_by_peer,
     error_code,
     query_message,
     read_message,
@@ -196,18 +197,6 @@ def tcp_connections(pid: int, port: int) -> set[int]:
         if state == "01" and int(remote.split(":")[1], 16) == port and inode in inodes:
             ports.add(int(local.split(":")[1], 16))
     return ports
-
-
-def assert_closed_by_peer(s: socket.socket, timeout: float = 30) -> None:
-    """Reads and discards until the peer closes `s`; fails if it is still open after `timeout`."""
-    s.settimeout(timeout)
-    try:
-        while s.recv(65536):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except TimeoutError:
-        raise AssertionError(f"the connection was still open after {timeout} s") from None
 
 
 def test_stalled_streaming_connections_are_cut_at_the_idle_timeout(safekeeper_factory, tmp_path):
