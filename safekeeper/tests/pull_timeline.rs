@@ -6,7 +6,6 @@ mod common;
 
 use common::*;
 use pg_wal::generator::WalGenerator;
-use sk_core::protocol::AcceptorProposerMessage;
 use sk_core::types::Lsn;
 
 const START: Lsn = Lsn(SEG_SIZE);
@@ -25,13 +24,7 @@ async fn source_with_wal(dir: &std::path::Path, id: u64, bytes: usize) -> (TestD
     }
     p.writer.queue(&p.append(end, &[], end)).unwrap();
     p.writer.flush().await.unwrap();
-    loop {
-        match p.reader.recv().await.unwrap() {
-            AcceptorProposerMessage::AppendResponse(r) if r.flush_lsn >= end => break,
-            AcceptorProposerMessage::AppendResponse(_) => {}
-            other => panic!("unexpected {other:?}"),
-        }
-    }
+    p.wait_flushed(end).await;
     p.writer.finish().await.unwrap();
     while p.reader.recv().await.is_ok() {}
     (d, end)
@@ -149,11 +142,7 @@ async fn a_pull_needs_the_donors_remote_storage() {
         .send(&p.append(START, &wal, Lsn::INVALID))
         .await
         .unwrap();
-    while let AcceptorProposerMessage::AppendResponse(r) = p.reader.recv().await.unwrap() {
-        if r.flush_lsn == end {
-            break;
-        }
-    }
+    p.wait_flushed(end).await;
     let d2 = TestDaemon::start_with(d2dir.path(), 2, on(&store2)).await;
     let (code, body) = pull(&d2, &[&d1]).await;
     assert_eq!(code, 502, "{body}");

@@ -9,7 +9,6 @@ use common::*;
 use pg_wal::generator::WalGenerator;
 use pq_proto::client::{ClientConn, CopyEvent};
 use pq_proto::replication::ReplicationMessage;
-use sk_core::protocol::AcceptorProposerMessage;
 use sk_core::types::{Lsn, Term};
 
 const START: Lsn = Lsn(SEG_SIZE);
@@ -34,11 +33,7 @@ async fn a_plain_reader_gets_committed_wal_only_while_more_is_flushed() {
         p.writer.queue(&p.append(at, piece, Lsn::INVALID)).unwrap();
     }
     p.writer.flush().await.unwrap();
-    while let AcceptorProposerMessage::AppendResponse(r) = p.reader.recv().await.unwrap() {
-        if r.flush_lsn == end {
-            break;
-        }
-    }
+    p.wait_flushed(end).await;
     p.writer
         .send(&append_msg(Term(1), end, &[], commit))
         .await

@@ -374,11 +374,7 @@ async fn a_graceful_stop_persists_the_commit_lsn() {
         .await
         .unwrap();
     // Once flushed, the commit LSN rides on the next append (here one without WAL).
-    while let AcceptorProposerMessage::AppendResponse(r) = p.reader.recv().await.unwrap() {
-        if r.flush_lsn == end {
-            break;
-        }
-    }
+    p.wait_flushed(end).await;
     p.writer.send(&p.append(end, &[], end)).await.unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let before = loop {

@@ -229,11 +229,7 @@ async fn idle_reader_gets_keepalives_and_prompt_replies() {
         .send(&p.append(Lsn(START.0 + half as u64), &wal[half..], Lsn::INVALID))
         .await
         .unwrap();
-    while let AcceptorProposerMessage::AppendResponse(r) = p.reader.recv().await.unwrap() {
-        if r.flush_lsn == end {
-            break;
-        }
-    }
+    p.wait_flushed(end).await;
     // Commit it, so readers may see it.
     p.writer
         .send(&append_msg(Term(1), end, &[], end))

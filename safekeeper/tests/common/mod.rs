@@ -305,6 +305,17 @@ impl Client {
         }
     }
 
+    /// Reads replies until one says the WAL is flushed up to `lsn` (another message fails).
+    pub async fn wait_flushed(&mut self, lsn: Lsn) {
+        loop {
+            match self.reader.recv().await.unwrap() {
+                AcceptorProposerMessage::AppendResponse(r) if r.flush_lsn >= lsn => return,
+                AcceptorProposerMessage::AppendResponse(_) => {}
+                other => panic!("waiting for a flush to {lsn}, got {other:?}"),
+            }
+        }
+    }
+
     /// An append of `data` at `begin` in our term.
     pub fn append(&self, begin: Lsn, data: &[u8], commit: Lsn) -> ProposerAcceptorMessage {
         append_msg(self.term, begin, data, commit)
