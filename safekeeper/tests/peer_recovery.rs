@@ -39,14 +39,6 @@ async fn write(p: &Proposer, bytes: u64, rate: Option<u64>) -> Lsn {
     p.wait_commit(end).await.expect("committed")
 }
 
-async fn poll(what: &str, secs: u64, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !done().await {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// A vote of `d` for `term`, from a proposer that then goes away.
 async fn vote(d: &TestDaemon, term: u64) {
     let mut c = Client::connect(d).await;

@@ -38,19 +38,11 @@ async fn a_plain_reader_gets_committed_wal_only_while_more_is_flushed() {
         .send(&append_msg(Term(1), end, &[], commit))
         .await
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let s = d.timeline_status().await;
-        if s["commit_lsn"] == commit.to_string() {
-            assert_eq!(s["flush_lsn"], end.to_string(), "{s}");
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "commit never moved: {s}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll("the commit LSN moves", 30, async || {
+        d.timeline_status().await["commit_lsn"] == commit.to_string()
+    })
+    .await;
+    assert_eq!(d.timeline_status().await["flush_lsn"], end.to_string());
 
     let conn = ClientConn::connect(&client_config(&d)).await.unwrap();
     let (mut r, _w) = conn
@@ -160,19 +152,13 @@ async fn a_reader_that_stopped_reading_holds_no_wal_past_the_limit() {
         }
     };
     let (end, reader) = tokio::join!(push, attach);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    let what = format!("removal passes the stopped reader (end {end})");
+    poll(&what, 60, async || {
         let s = d.timeline_status().await;
         let horizon: Lsn = s["removal_horizon_lsn"].as_str().unwrap().parse().unwrap();
-        if horizon.0 >= START.0 + 3 * SEG_SIZE {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "removal stayed below the stopped reader: {s} (end {end})"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        horizon.0 >= START.0 + 3 * SEG_SIZE
+    })
+    .await;
     drop(reader);
     p.finish(Duration::from_secs(5)).await;
     d.stop().await.unwrap();

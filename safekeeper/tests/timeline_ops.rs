@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Client, SEG_SIZE, SYSID, TestDaemon, greeting, http_request, ttid};
+use common::{Client, SEG_SIZE, SYSID, TestDaemon, greeting, http_request, poll, ttid};
 use sk_core::protocol::AcceptorProposerMessage;
 use sk_core::types::{Lsn, TimelineId};
 use walproposer::conn::connect_push;
@@ -292,12 +292,11 @@ async fn a_node_that_is_no_longer_a_member_deletes_only_its_own_copy() {
     walproposer::synthetic::run(&p, &opts).await.expect("WAL");
     p.wait_commit(p.progress().end_lsn).await.expect("commit");
     p.finish(std::time::Duration::from_secs(5)).await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let settled = |names: &[String]| !names.is_empty() && !names.iter().any(|n| n.contains('#'));
-    while !settled(&stored_segments(store.path())) {
-        assert!(std::time::Instant::now() < deadline, "no segment backed up");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    poll("a segment is backed up", 30, async || {
+        settled(&stored_segments(store.path()))
+    })
+    .await;
     let stored = stored_segments(store.path());
 
     // Node 3 took node 2's place: generation 1 is {1, 3}, on node 2 as well.
@@ -343,14 +342,10 @@ async fn a_node_that_is_no_longer_a_member_deletes_only_its_own_copy() {
     // A member's delete is the timeline's end: its objects go.
     let (code, body) = http_request(d1.http, "DELETE", &tl_path(), None).await;
     assert_eq!(code, 200, "{body}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !stored_segments(store.path()).is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the member's delete left objects"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    poll("the member's delete took the objects", 30, async || {
+        stored_segments(store.path()).is_empty()
+    })
+    .await;
     for d in [d1, d2] {
         d.stop().await.unwrap();
     }
@@ -376,18 +371,12 @@ async fn a_graceful_stop_persists_the_commit_lsn() {
     // Once flushed, the commit LSN rides on the next append (here one without WAL).
     p.wait_flushed(end).await;
     p.writer.send(&p.append(end, &[], end)).await.unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let before = loop {
-        let s = d.timeline_status().await;
-        if s["commit_lsn"] == end.to_string() {
-            break s;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "commit never reached {end}: {s}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
+    let mut before = serde_json::Value::Null;
+    poll("the commit LSN reaches the end", 30, async || {
+        before = d.timeline_status().await;
+        before["commit_lsn"] == end.to_string()
+    })
+    .await;
     assert_ne!(
         before["persisted_commit_lsn"], before["commit_lsn"],
         "the lazy save already ran, so this run cannot tell: {before}"

@@ -120,6 +120,18 @@ impl TestDaemon {
     }
 }
 
+/// Waits (every 20 ms) until `done`; fails naming `what` after `secs` seconds.
+pub async fn poll(what: &str, secs: u64, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !done().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// A proposer of the test timeline over `safekeepers`, WAL from `start` if they are empty.
 pub fn proposer_config(
     safekeepers: Vec<SafekeeperAddr>,
