@@ -646,15 +646,25 @@ impl GlobalTimelines {
 
     /// Whether a delete of `scope` of the timelines `tls` here also deletes their objects in
     /// the store ([`crate::manager::deletes_remote_objects`]: refused on a node that is not a
-    /// member of one of them).
-    fn deletes_remote(&self, scope: DeleteScope, tls: &[Arc<Timeline>]) -> Result<bool, String> {
+    /// member of one of them, naming `what`, the timeline or tenant deleted).
+    fn deletes_remote(
+        &self,
+        scope: DeleteScope,
+        tls: &[Arc<Timeline>],
+        what: &str,
+    ) -> Result<bool, TimelineError> {
         let remote = self.remote_on.load(Ordering::SeqCst);
-        let mut all = crate::manager::deletes_remote_objects(scope, remote, None, self.node_id)?;
+        let decide = |mconf: Option<&Configuration>| {
+            crate::manager::deletes_remote_objects(scope, remote, mconf, self.node_id)
+        };
+        let refuse = |reason| TimelineError::NotAMember {
+            what: what.to_string(),
+            reason,
+        };
+        let mut all = decide(None).map_err(refuse)?;
         for tl in tls {
-            let mconf = tl.mconf();
-            all &=
-                crate::manager::deletes_remote_objects(scope, remote, Some(&mconf), self.node_id)
-                    .map_err(|r| format!("timeline {}: {r}", tl.ttid))?;
+            all &= decide(Some(&tl.mconf()))
+                .map_err(|r| refuse(format!("timeline {}: {r}", tl.ttid)))?;
         }
         Ok(all)
     }
@@ -671,12 +681,7 @@ impl GlobalTimelines {
     ) -> Result<bool, TimelineError> {
         let _deleting = self.create_lock.lock().expect("create lock");
         let here: Vec<Arc<Timeline>> = self.get(ttid).into_iter().collect();
-        let remote =
-            self.deletes_remote(scope, &here)
-                .map_err(|reason| TimelineError::NotAMember {
-                    what: format!("timeline {ttid}"),
-                    reason,
-                })?;
+        let remote = self.deletes_remote(scope, &here, &format!("timeline {ttid}"))?;
         self.write_tombstone_with(&timeline_tombstone(ttid), remote)?;
         let tl = self.map.lock().expect("timelines lock").remove(ttid);
         if let Some(tl) = &tl {
@@ -709,12 +714,7 @@ impl GlobalTimelines {
             .into_iter()
             .filter(|t| t.ttid.tenant_id == *tenant_id)
             .collect();
-        let remote =
-            self.deletes_remote(scope, &here)
-                .map_err(|reason| TimelineError::NotAMember {
-                    what: format!("tenant {tenant_id}"),
-                    reason,
-                })?;
+        let remote = self.deletes_remote(scope, &here, &format!("tenant {tenant_id}"))?;
         self.write_tombstone_with(&tenant_id.to_string(), remote)?;
         let gone: Vec<Arc<Timeline>> = {
             let mut map = self.map.lock().expect("timelines lock");
