@@ -329,15 +329,19 @@ fn a_snapshot_starts_at_the_backed_up_point_with_remote_storage() {
     assert_eq!(snapshot_start(&whole), Ok(Lsn(SEG + 40)));
 }
 
-#[test]
-fn a_pull_needs_a_majority_of_the_members_not_of_the_hosts_asked() {
-    use sk_core::state::{Configuration, SafekeeperId};
-    use sk_core::types::{Generation, NodeId};
-    let member = |id| SafekeeperId {
-        id: NodeId(id),
+/// Member `id` of a configuration.
+fn member(id: u64) -> sk_core::state::SafekeeperId {
+    sk_core::state::SafekeeperId {
+        id: sk_core::types::NodeId(id),
         host: format!("sk{id}"),
         pg_port: 5454,
-    };
+    }
+}
+
+#[test]
+fn a_pull_needs_a_majority_of_the_members_not_of_the_hosts_asked() {
+    use sk_core::state::Configuration;
+    use sk_core::types::{Generation, NodeId};
     let mconf = Configuration {
         generation: Generation(3),
         members: vec![member(1), member(2), member(3)],
@@ -362,13 +366,8 @@ fn a_pull_needs_a_majority_of_the_members_not_of_the_hosts_asked() {
 
 #[test]
 fn only_a_member_deletes_the_stores_objects() {
-    use sk_core::state::{Configuration, SafekeeperId};
+    use sk_core::state::Configuration;
     use sk_core::types::{Generation, NodeId};
-    let member = |id| SafekeeperId {
-        id: NodeId(id),
-        host: format!("sk{id}"),
-        pg_port: 5454,
-    };
     let gen1 = |ids: &[u64]| Configuration {
         generation: Generation(1),
         members: ids.iter().map(|&i| member(i)).collect(),
