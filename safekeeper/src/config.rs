@@ -158,6 +158,12 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_MAX_READER_HOLD", default_value = "0", value_parser = parse_size)]
     pub max_reader_hold: u64,
 
+    /// Readers whose lag the proposer feels (its `--max-replication-flush-lag` and
+    /// `--max-replication-apply-lag`): the slowest of them is reported in every acknowledgement.
+    /// `*` (any reader of committed WAL), `none`, or comma-separated `application_name`s.
+    #[arg(long, env = "SAFEKEEPER_BACKPRESSURE_READERS", default_value = "*")]
+    pub backpressure_readers: crate::feedback::RequiredReaders,
+
     /// Most segment uploads (or verifications) in progress at once on the node.
     #[arg(long, env = "SAFEKEEPER_BACKUP_PARALLELISM", default_value_t = 4,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
@@ -246,6 +252,7 @@ impl Conf {
             backup_parallelism: 4,
             remote_read_budget: 64 << 20,
             max_reader_hold: 0,
+            backpressure_readers: Default::default(),
             max_timeline_disk_usage: 0,
             max_disk_usage_ratio: 0.0,
             log_format: LogFormat::Text,

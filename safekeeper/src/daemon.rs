@@ -242,6 +242,7 @@ pub async fn run(
         handshake_timeout: conf.handshake_timeout,
         auth: auth.clone(),
         tls: tls.clone(),
+        backpressure_readers: conf.backpressure_readers.clone(),
     };
     let open_files = OpenFiles::new(
         conf.max_open_segment_files

@@ -12,7 +12,8 @@
 //!    saves, a deleted timeline's end, snapshot points, pull quorums, peer recovery's donor
 //!    rules), driven by a seeded simulation;
 //! 3. timelines: [`timeline`] (one timeline's acceptor behind a lock, its published view and
-//!    typed errors) and [`registry`] (the node's timelines: loading, lookup, creation, deletion,
+//!    typed errors), [`feedback`] (what its readers report back: positions, lags, hot-standby
+//!    feedback) and [`registry`] (the node's timelines: loading, lookup, creation, deletion,
 //!    metrics);
 //! 4. network and tasks (tokio): [`lifecycle`] (the managers' driver), [`command`] (neon's
 //!    replication commands), [`wal_service`] (the listener), [`receive_wal`] (the pipelined WAL
@@ -31,6 +32,7 @@ pub mod config;
 pub mod control_file;
 pub mod daemon;
 pub mod disk_usage;
+pub mod feedback;
 pub mod http;
 pub mod lifecycle;
 pub mod limits;

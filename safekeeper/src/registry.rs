@@ -958,6 +958,34 @@ const TIMELINE_GAUGES: &[(&str, &str)] = &[
         "safekeeper_timeline_local_wal_bytes",
         "WAL held in the timeline's local segments: from the first local segment to the flush LSN",
     ),
+    (
+        "safekeeper_reader_flush_lag_bytes_min",
+        "Committed WAL not yet flushed by the timeline's least-lagging reporting reader (bytes)",
+    ),
+    (
+        "safekeeper_reader_flush_lag_bytes_max",
+        "Committed WAL not yet flushed by the timeline's most-lagging reporting reader (bytes)",
+    ),
+    (
+        "safekeeper_reader_replay_lag_bytes_min",
+        "Committed WAL not yet applied by the timeline's least-lagging reporting reader (bytes)",
+    ),
+    (
+        "safekeeper_reader_replay_lag_bytes_max",
+        "Committed WAL not yet applied by the timeline's most-lagging reporting reader (bytes)",
+    ),
+    (
+        "safekeeper_reader_flush_lag_ms_max",
+        "Largest time from sending WAL to a reader's report of flushing it (ms; 0: none measured)",
+    ),
+    (
+        "safekeeper_reader_replay_lag_ms_max",
+        "Largest time from sending WAL to a reader's report of applying it (ms; 0: none measured)",
+    ),
+    (
+        "safekeeper_readers_hs_feedback_xmin",
+        "Oldest xmin the timeline's hot standbys need, as a full 64-bit xid (0: none)",
+    ),
 ];
 
 impl TimelineCollector {
@@ -1003,6 +1031,7 @@ impl Collector for TimelineCollector {
             .collect();
         for tl in timelines.all() {
             let s = tl.status();
+            let lags = tl.reader_lags();
             let t = tl.ttid.tenant_id.to_string();
             let l = tl.ttid.timeline_id.to_string();
             let labels = [t.as_str(), l.as_str()];
@@ -1023,6 +1052,13 @@ impl Collector for TimelineCollector {
                 s.flush_lsn
                     .0
                     .saturating_sub(local_start - local_start % seg) as i64,
+                lags.flush_lag_bytes.0 as i64,
+                lags.flush_lag_bytes.1 as i64,
+                lags.replay_lag_bytes.0 as i64,
+                lags.replay_lag_bytes.1 as i64,
+                (lags.max_flush_lag * 1000.0) as i64,
+                (lags.max_replay_lag * 1000.0) as i64,
+                s.hs_feedback.xmin as i64,
             ];
             for (v, value) in vecs.iter().zip(values) {
                 v.with_label_values(&labels).set(value);

@@ -18,13 +18,16 @@
 //!
 //! WAL goes out in XLogData messages of at most 128 KiB, cut at page boundaries like
 //! PostgreSQL's walsender; an idle stream gets a keepalive every second; a status update that
-//! asks for a reply gets one at once; CopyDone ends streaming and returns to query mode.
+//! asks for a reply gets one at once; CopyDone ends streaming and returns to query mode. What a
+//! reader of committed WAL reports back (status updates, hot-standby feedback) is noted in the
+//! timeline's [`crate::feedback`] while it streams.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 
+use crate::feedback::{ReaderHandle, ReaderInfo};
 use crate::metrics;
 use crate::remove_wal::ReadHold;
 use crate::timeline::{Positions, TermRead, Timeline};
@@ -54,6 +57,7 @@ pub async fn handle_start_replication<S>(
     tl: Arc<Timeline>,
     start: Lsn,
     term: Option<Term>,
+    reader: ReaderInfo,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<StreamEnd<S>, PqError>
 where
@@ -100,10 +104,20 @@ where
     }
 
     let _counted = tl.reader_guard();
+    // A proposer fetching its term's WAL is not a reader of committed WAL: it reports nothing.
+    let feedback = term.is_none().then(|| tl.register_reader(reader, start));
     conn.send_copy_both_response().await?;
     let (mut reader, mut writer) = conn.split();
     tracing::info!(%start, ?term, "streaming WAL");
-    let result = stream(&mut reader, &mut writer, &tl, start, term, shutdown).await;
+    let result = stream(
+        &mut reader,
+        &mut writer,
+        &tl,
+        (start, feedback.as_ref()),
+        term,
+        shutdown,
+    )
+    .await;
     match result {
         Ok(true) => {
             // CopyDone from the client: answer it and go back to query mode.
@@ -201,12 +215,13 @@ async fn flush_holding<W: AsyncWrite + Unpin>(
     writer.flush().await
 }
 
-/// The streaming loop. `Ok(true)`: the client sent CopyDone; `Ok(false)`: it went away.
+/// The streaming loop from `pos`, noting what is sent and what the reader reports in
+/// `feedback`. `Ok(true)`: the client sent CopyDone; `Ok(false)`: it went away.
 async fn stream<R, W>(
     reader: &mut ServerReader<R>,
     writer: &mut ServerWriter<W>,
     tl: &Arc<Timeline>,
-    mut pos: Lsn,
+    (mut pos, feedback): (Lsn, Option<&ReaderHandle>),
     term: Option<Term>,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<bool, Ending>
@@ -238,13 +253,33 @@ where
             msg = reader.read_message() => {
                 match msg? {
                     Some(FrontendMessage::CopyData(d)) => match StandbyMessage::decode(d) {
-                        Ok(StandbyMessage::StatusUpdate { reply_requested, .. }) => {
+                        Ok(StandbyMessage::StatusUpdate {
+                            write,
+                            flush,
+                            apply,
+                            send_time,
+                            reply_requested,
+                        }) => {
+                            if let Some(f) = feedback {
+                                f.status_update([write, flush, apply], send_time, Instant::now());
+                            }
                             if reply_requested {
                                 writer.write_keepalive(end, pg_now(), false);
                                 writer.flush().await?;
                             }
                         }
-                        Ok(_) => {} // hot-standby and pageserver feedback: not used yet
+                        Ok(StandbyMessage::HotStandbyFeedback {
+                            send_time,
+                            xmin,
+                            epoch,
+                            catalog_xmin,
+                            catalog_epoch,
+                        }) => {
+                            if let Some(f) = feedback {
+                                f.hs_feedback(send_time, (xmin, epoch), (catalog_xmin, catalog_epoch));
+                            }
+                        }
+                        Ok(StandbyMessage::NeonFeedback(_)) => {} // a pageserver's: not used
                         Err(e) => {
                             return Err(Ending::Error(ErrorFields::error(
                                 sqlstate::PROTOCOL_VIOLATION,
@@ -344,6 +379,9 @@ where
                 flush_holding(writer, &mut watch, pos, max_hold, &mut hold).await?;
                 metrics::WAL_SENT_BYTES.inc_by(buf.len() as u64);
                 pos = chunk_end;
+                if let Some(f) = feedback {
+                    f.sent(pos, Instant::now());
+                }
                 if let Some(h) = &hold {
                     h.advance(pos);
                 }
@@ -436,6 +474,7 @@ mod tests {
             tl.clone(),
             start,
             Some(Term(1)),
+            ReaderInfo::default(),
             tokio_util::sync::CancellationToken::new(),
         ));
         let mut buf = BytesMut::new();

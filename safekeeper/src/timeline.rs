@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::blocking::LeafMutex;
 use crate::control_file::FileControlStore;
+use crate::feedback::{ReaderHandle, ReaderInfo, ReaderStatus, Readers};
 use crate::manager::Lsns;
 use crate::manager::recovery::{LocalView, RecoveryStatus};
 use crate::remote_storage::RemoteStorage;
@@ -123,6 +124,10 @@ pub struct TimelineStatus {
     pub proposers: usize,
     /// Connected readers.
     pub readers: usize,
+    /// What each reader of committed WAL reports back: positions, lags, hot-standby feedback.
+    pub reader_feedback: Vec<ReaderStatus>,
+    /// The oldest xmin and catalog xmin the readers need (sent to the proposer).
+    pub hs_feedback: HsFeedbackStatus,
     /// Complete segments below this are in remote storage.
     pub backup_lsn: Lsn,
     /// Local segments below this LSN were removed (served from remote storage).
@@ -131,6 +136,24 @@ pub struct TimelineStatus {
     pub remote_location: Option<String>,
     /// Peer recovery ([`crate::recovery`]).
     pub recovery: RecoveryStatus,
+}
+
+/// The readers' oldest xmin and catalog xmin, as full 64-bit transaction ids (0: none).
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct HsFeedbackStatus {
+    /// Oldest xmin any reader needs.
+    pub xmin: u64,
+    /// Oldest catalog xmin any reader needs.
+    pub catalog_xmin: u64,
+}
+
+impl From<sk_core::protocol::HotStandbyFeedback> for HsFeedbackStatus {
+    fn from(f: sk_core::protocol::HotStandbyFeedback) -> Self {
+        HsFeedbackStatus {
+            xmin: f.xmin,
+            catalog_xmin: f.catalog_xmin,
+        }
+    }
 }
 
 /// The span of everything done for timeline `ttid`: every log line inside it carries the
@@ -161,6 +184,8 @@ pub struct Timeline {
     positions: watch::Sender<Positions>,
     proposers: AtomicUsize,
     readers: AtomicUsize,
+    /// What connected readers report back ([`crate::feedback`]).
+    feedback: Arc<Readers>,
     last_persist: LeafMutex<Instant>,
     /// Cancelled when the timeline is deleted: its connections end, its acceptor refuses
     /// every message.
@@ -264,6 +289,7 @@ impl Timeline {
             positions: watch::Sender::new(positions),
             proposers: AtomicUsize::new(0),
             readers: AtomicUsize::new(0),
+            feedback: Arc::default(),
             last_persist: LeafMutex::new(Instant::now()),
             deleted: CancellationToken::new(),
             holds: Arc::new(ReadHolds::new(first_local.unwrap_or(0))),
@@ -382,9 +408,18 @@ impl Timeline {
             )
             .into());
         }
-        let result = acceptor.process_msg(msg);
+        let mut result = acceptor.process_msg(msg);
         self.publish(&acceptor);
         drop(acceptor);
+        // What the readers tell us rides on every acknowledgement (neon's hs_feedback; the
+        // slowest required reader as its pageserver feedback): the proposer relays the first to
+        // the primary and slows down on the second.
+        if let Ok(Some(AcceptorProposerMessage::AppendResponse(r))) = &mut result
+            && !recovery
+        {
+            r.hs_feedback = self.feedback.hs_feedback();
+            r.pageserver_feedback = self.feedback.slowest_required();
+        }
         if let Some(a) = append
             && result.is_ok()
         {
@@ -718,6 +753,8 @@ impl Timeline {
             elected_generation: s.acceptor_state.elected_generation.0,
             proposers: self.proposers.load(Ordering::Relaxed),
             readers: self.readers.load(Ordering::Relaxed),
+            reader_feedback: self.feedback.statuses(v.inmem.commit_lsn, Instant::now()),
+            hs_feedback: self.feedback.hs_feedback().into(),
             backup_lsn: v.inmem.backup_lsn,
             removal_horizon_lsn: Lsn(self.holds.removed_below() * self.seg_size),
             remote_location: self.remote().map(|r| r.timeline_location(&self.ttid)),
@@ -791,6 +828,18 @@ impl Timeline {
     /// Counts a connected reader until the guard drops.
     pub fn reader_guard(self: &Arc<Self>) -> ConnectionGuard {
         ConnectionGuard::new(self.clone(), Role::Reader)
+    }
+
+    /// Keeps what a reader of committed WAL, streaming from `start`, reports back until the
+    /// handle drops ([`crate::feedback`]).
+    pub fn register_reader(&self, info: ReaderInfo, start: Lsn) -> ReaderHandle {
+        self.feedback.register(info, start)
+    }
+
+    /// The readers' lags, min and max over them (for Prometheus).
+    pub fn reader_lags(&self) -> crate::feedback::LagSummary {
+        self.feedback
+            .summary(self.view().inmem.commit_lsn, Instant::now())
     }
 }
 

@@ -20,6 +20,7 @@ use tracing::Instrument;
 
 use crate::auth::{AuthError, Claims, JwtAuth, Scope, check_permission};
 use crate::command::{ReplicationCommand, parse_command, parse_options};
+use crate::feedback::{ReaderInfo, RequiredReaders};
 use crate::limits::{ConnectionLimit, HandshakePool, IdleTimeout, Socket};
 use crate::metrics;
 use crate::receive_wal::handle_wal_push;
@@ -56,6 +57,8 @@ pub struct WalServiceConf {
     /// TLS (`--tls-cert`/`--tls-key`): when set, it is required: a client must send an
     /// SSLRequest first (`sslmode=require` or stronger); others are refused with 28000.
     pub tls: Option<Arc<TlsConfig>>,
+    /// Readers whose lag slows the proposer (`--backpressure-readers`).
+    pub backpressure_readers: RequiredReaders,
 }
 
 impl Default for WalServiceConf {
@@ -68,6 +71,7 @@ impl Default for WalServiceConf {
             handshake_timeout: Duration::from_secs(30),
             auth: None,
             tls: None,
+            backpressure_readers: RequiredReaders::default(),
         }
     }
 }
@@ -113,7 +117,7 @@ pub async fn run(
                 handshaking,
                 limit: &limit,
             };
-            match handle_connection(stream, timelines, &conf, admit, shutdown).await {
+            match handle_connection(stream, peer, timelines, &conf, admit, shutdown).await {
                 Ok(()) => metrics::PG_CONNECTIONS.with_label_values(&["ok"]).inc(),
                 Err(e) => {
                     metrics::PG_CONNECTIONS.with_label_values(&["error"]).inc();
@@ -140,6 +144,7 @@ struct Admission<'a> {
 
 async fn handle_connection(
     stream: IdleTimeout<Socket>,
+    peer: std::net::SocketAddr,
     timelines: Arc<GlobalTimelines>,
     conf: &WalServiceConf,
     admit: Admission<'_>,
@@ -289,7 +294,12 @@ async fn handle_connection(
                     continue;
                 };
                 let span = crate::timeline::span(&tl.ttid);
-                match handle_start_replication(conn, tl, start_lsn, term, shutdown.clone())
+                let reader = ReaderInfo {
+                    required: conf.backpressure_readers.includes(&appname),
+                    application_name: appname.clone(),
+                    client_addr: peer.to_string(),
+                };
+                match handle_start_replication(conn, tl, start_lsn, term, reader, shutdown.clone())
                     .instrument(span)
                     .await?
                 {

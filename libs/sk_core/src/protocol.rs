@@ -293,6 +293,32 @@ pub struct PageserverFeedback {
     pub corruption_detected: bool,
 }
 
+impl HotStandbyFeedback {
+    /// Whether it asks to keep anything.
+    pub fn is_empty(&self) -> bool {
+        self.xmin == 0 && self.catalog_xmin == 0
+    }
+
+    /// The oldest of several feedbacks: per field the smallest non-zero xid (0 if none), `ts`
+    /// the newest among those that ask for something. Full 64-bit xids compare right across a
+    /// 32-bit wraparound. neon's walproposer combines its safekeepers' feedback by this rule
+    /// (`CombineHotStanbyFeedbacks`), and a safekeeper its readers'.
+    pub fn oldest(feedbacks: impl IntoIterator<Item = HotStandbyFeedback>) -> HotStandbyFeedback {
+        let min_nonzero = |a: u64, b: u64| match (a, b) {
+            (0, b) => b,
+            (a, 0) => a,
+            (a, b) => a.min(b),
+        };
+        let mut out = HotStandbyFeedback::default();
+        for f in feedbacks.into_iter().filter(|f| !f.is_empty()) {
+            out.xmin = min_nonzero(out.xmin, f.xmin);
+            out.catalog_xmin = min_nonzero(out.catalog_xmin, f.catalog_xmin);
+            out.ts = out.ts.max(f.ts);
+        }
+        out
+    }
+}
+
 /// `a` reply.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct AppendResponse {
