@@ -198,6 +198,8 @@ pub fn proposer_config(safekeepers: Vec<SafekeeperAddr>) -> ProposerConfig {
         wal_seg_size: SEG_SIZE as u32,
         start_lsn: START,
         allow_timeline_creation: true,
+        max_replication_flush_lag: 0,
+        max_replication_apply_lag: 0,
     }
 }
 

@@ -39,7 +39,13 @@
 //!   donor's flush LSN, which must lie on our own history (else another proposer wrote WAL and
 //!   the election fails);
 //! - **stepping down**: any reply carrying a higher term while elected ends this proposer for
-//!   good.
+//!   good;
+//! - **what readers report back** (issue 31), from each safekeeper's last acknowledgement on its
+//!   current connection: the oldest hot-standby xmin over the safekeepers
+//!   ([`ProposerCore::hs_feedback`], which the relay passes to the primary), and
+//!   **backpressure** ([`ProposerCore::backpressure`]): slow down from half of
+//!   `max_replication_flush_lag` / `max_replication_apply_lag`, pause at it, measured from the end
+//!   of our WAL to the slowest required reader's flushed / applied position.
 //!
 //! The safekeeper's side of the same rules is `SafeKeeper::process_msg` (`sk_core::safekeeper`).
 //!
@@ -52,8 +58,8 @@ use bytes::Bytes;
 
 use sk_core::protocol::{
     AcceptorGreeting, AcceptorProposerMessage, AppendRequest, AppendRequestHeader, AppendResponse,
-    MAX_SEND_SIZE, ProposerAcceptorMessage, ProposerElected, ProposerGreeting, VoteRequest,
-    VoteResponse,
+    HotStandbyFeedback, MAX_SEND_SIZE, ProposerAcceptorMessage, ProposerElected, ProposerGreeting,
+    VoteRequest, VoteResponse,
 };
 use sk_core::state::{Configuration, SafekeeperId};
 use sk_core::types::{Generation, Lsn, NodeId, TenantTimelineId, Term, TermHistory, TermLsn};
@@ -92,6 +98,11 @@ pub struct CoreConfig {
     /// Committed WAL kept in memory for safekeepers that fall behind (they are caught up from it
     /// when they come back). WAL that is not committed is always kept.
     pub max_retained_committed: u64,
+    /// Most bytes the slowest required reader may lag behind the end of our WAL in what it
+    /// flushed before the writer pauses (0: no limit; neon's `max_replication_flush_lag`).
+    pub max_replication_flush_lag: u64,
+    /// The same for what it applied (neon's `max_replication_apply_lag`).
+    pub max_replication_apply_lag: u64,
 }
 
 impl CoreConfig {
@@ -115,6 +126,8 @@ impl CoreConfig {
             start_lsn,
             max_in_flight: 16 << 20,
             max_retained_committed: 1 << 30,
+            max_replication_flush_lag: 0,
+            max_replication_apply_lag: 0,
         }
     }
 }
@@ -349,7 +362,46 @@ struct Member {
     term: Term,
     /// Its granted vote in our term (kept after its connection drops: the vote is durable).
     vote: Option<VoteResponse>,
+    /// What its readers reported in its last acknowledgement on connection `.0`: their oldest
+    /// xmins and the slowest required reader's positions. Counts only while that connection is
+    /// the current one.
+    readers: Option<(ConnId, ReadersFeedback)>,
 }
+
+/// What one safekeeper's readers reported, from its `AppendResponse`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct ReadersFeedback {
+    hs: HotStandbyFeedback,
+    /// The slowest required reader's written, flushed and applied positions (neon's pageserver
+    /// feedback `ps_writelsn`, `ps_flushlsn`, `ps_applylsn`).
+    slowest: Option<[Lsn; 3]>,
+}
+
+/// Whether the writer must wait for slow readers (`max_replication_*_lag`), from
+/// [`ProposerCore::backpressure`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backpressure {
+    /// Below half of every limit (or no limit, or no required reader): full speed.
+    #[default]
+    Off,
+    /// Between half of a limit and the limit: wait `delay_ms` before each new WAL (growing
+    /// linearly from 0 at half the limit to [`MAX_SLOW_DELAY_MS`] at the limit).
+    Slow {
+        /// How long to wait before the next push.
+        delay_ms: u64,
+        /// The slowest required reader's lag behind the end of our WAL (bytes; flush or apply,
+        /// whichever is nearer its limit).
+        lag: u64,
+    },
+    /// At or past a limit: push nothing until the readers catch up.
+    Paused {
+        /// As in `Slow`.
+        lag: u64,
+    },
+}
+
+/// The longest wait before a push while slowed down (just below the limit).
+pub const MAX_SLOW_DELAY_MS: u64 = 50;
 
 /// WAL in memory as the chunks it was pushed in: `[start, end)`.
 #[derive(Debug)]
@@ -556,6 +608,64 @@ impl ProposerCore {
     /// End of the WAL this proposer has (the term start until something is pushed).
     pub fn end_lsn(&self) -> Lsn {
         self.wal.end
+    }
+
+    /// What the safekeepers' readers need kept: per field the oldest xid any currently
+    /// connected safekeeper reported (the relay sends it to the primary as hot-standby feedback).
+    pub fn hs_feedback(&self) -> HotStandbyFeedback {
+        HotStandbyFeedback::oldest(self.readers_feedback().map(|f| f.hs))
+    }
+
+    /// Whether pushing must slow down or pause for the slowest required reader, by the
+    /// `max_replication_*_lag` limits against the end of our WAL. Readers report through their
+    /// safekeepers; a safekeeper that is not connected reports nothing.
+    pub fn backpressure(&self) -> Backpressure {
+        let limits = [
+            self.cfg.max_replication_flush_lag,
+            self.cfg.max_replication_apply_lag,
+        ];
+        let Some(slowest) = self
+            .readers_feedback()
+            .filter_map(|f| f.slowest)
+            .min_by_key(|p| (p[1], p[2]))
+        else {
+            return Backpressure::Off;
+        };
+        let mut worst: Option<(u64, u64)> = None; // (lag, limit) nearest its limit
+        for (limit, pos) in limits.into_iter().zip([slowest[1], slowest[2]]) {
+            if limit == 0 {
+                continue;
+            }
+            let lag = self.wal.end.0.saturating_sub(pos.0);
+            // lag/limit > wl/wlimit, without floating point.
+            if worst.is_none_or(|(wl, wlim)| {
+                u128::from(lag) * u128::from(wlim) > u128::from(wl) * u128::from(limit)
+            }) {
+                worst = Some((lag, limit));
+            }
+        }
+        match worst {
+            None => Backpressure::Off,
+            Some((lag, limit)) if lag >= limit => Backpressure::Paused { lag },
+            Some((lag, limit)) if lag >= limit / 2 => {
+                let half = limit / 2;
+                let span = (limit - half).max(1);
+                Backpressure::Slow {
+                    delay_ms: MAX_SLOW_DELAY_MS * (lag - half) / span,
+                    lag,
+                }
+            }
+            Some(_) => Backpressure::Off,
+        }
+    }
+
+    fn readers_feedback(&self) -> impl Iterator<Item = ReadersFeedback> + '_ {
+        self.members
+            .iter()
+            .filter_map(|m| match (&m.readers, &m.conn) {
+                (Some((id, f)), Some(c)) if !m.retired && *id == c.id => Some(*f),
+                _ => None,
+            })
     }
 
     /// Oldest WAL still in memory.
@@ -1401,6 +1511,19 @@ impl ProposerCore {
             );
         }
         let m = &mut self.members[sk];
+        m.readers = Some((
+            conn,
+            ReadersFeedback {
+                hs: r.hs_feedback,
+                slowest: r.pageserver_feedback.map(|p| {
+                    [
+                        p.last_received_lsn,
+                        p.disk_consistent_lsn,
+                        p.remote_consistent_lsn,
+                    ]
+                }),
+            },
+        ));
         m.persisted_commit = m.persisted_commit.max(r.commit_lsn);
         if r.flush_lsn > m.flush {
             m.flush = r.flush_lsn;

@@ -35,10 +35,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use conn::{PushReader, PushWriter, SafekeeperAddr, connect_push};
-use consensus::{Action, ConnId, CoreConfig, Event, ProposerCore, PushError, SkId};
+use consensus::{Action, Backpressure, ConnId, CoreConfig, Event, ProposerCore, PushError, SkId};
 use pg_wal::decoder::WalStreamDecoder;
 use pg_wal::lsn::XLOG_BLCKSZ;
-use sk_core::protocol::ProposerAcceptorMessage;
+use sk_core::protocol::{HotStandbyFeedback, ProposerAcceptorMessage};
 use sk_core::types::{Lsn, TenantTimelineId, Term, TermHistory};
 
 pub use sk_core::protocol::MAX_SEND_SIZE;
@@ -69,6 +69,10 @@ pub struct ProposerConfig {
     pub start_lsn: Lsn,
     /// Whether a safekeeper that does not know the timeline creates it on our greeting.
     pub allow_timeline_creation: bool,
+    /// `--max-replication-flush-lag` ([`CoreConfig::max_replication_flush_lag`]; 0: none).
+    pub max_replication_flush_lag: u64,
+    /// `--max-replication-apply-lag` ([`CoreConfig::max_replication_apply_lag`]; 0: none).
+    pub max_replication_apply_lag: u64,
 }
 
 impl ProposerConfig {
@@ -86,6 +90,8 @@ impl ProposerConfig {
             .iter()
             .map(|a| format!("{}:{}", a.host, a.port))
             .collect();
+        cfg.max_replication_flush_lag = self.max_replication_flush_lag;
+        cfg.max_replication_apply_lag = self.max_replication_apply_lag;
         cfg
     }
 }
@@ -149,6 +155,34 @@ pub struct Progress {
     pub synced: bool,
     /// Set by [`Proposer::finish`]: stream what is buffered, pass on the commit LSN, then end.
     pub finishing: bool,
+    /// What the safekeepers' readers need kept ([`ProposerCore::hs_feedback`]).
+    pub hs_feedback: HotStandbyFeedback,
+    /// Whether pushing must slow down or pause for slow readers ([`ProposerCore::backpressure`]).
+    pub backpressure: Backpressure,
+}
+
+/// The log line of a change of backpressure between off, slowed and paused.
+fn log_backpressure(was: &Backpressure, now: &Backpressure, cfg: &ProposerConfig) {
+    let limits = format!(
+        "--max-replication-flush-lag {}, --max-replication-apply-lag {}",
+        cfg.max_replication_flush_lag, cfg.max_replication_apply_lag
+    );
+    match (was, now) {
+        (Backpressure::Paused { .. }, Backpressure::Paused { .. })
+        | (Backpressure::Slow { .. }, Backpressure::Slow { .. })
+        | (Backpressure::Off, Backpressure::Off) => {}
+        (_, Backpressure::Paused { lag }) => tracing::warn!(
+            lag,
+            "backpressure: pausing appends, the slowest required reader lags {lag} bytes ({limits})"
+        ),
+        (_, Backpressure::Slow { lag, .. }) => tracing::info!(
+            lag,
+            "backpressure: slowing appends, the slowest required reader lags {lag} bytes ({limits})"
+        ),
+        (_, Backpressure::Off) => {
+            tracing::info!("backpressure: released, appends at full speed")
+        }
+    }
 }
 
 /// What a safekeeper's task is to do next on its connection.
@@ -285,7 +319,9 @@ impl Shared {
         let core = &st.core;
         let failed = st.failure.is_some();
         let stepped_down = st.stepped_down;
+        let backpressure = core.backpressure();
         self.progress.send_if_modified(|p| {
+            log_backpressure(&p.backpressure, &backpressure, &self.cfg);
             let next = Progress {
                 elected: matches!(
                     core.phase(),
@@ -298,6 +334,8 @@ impl Shared {
                 failed,
                 synced: core.synced(),
                 finishing: p.finishing,
+                hs_feedback: core.hs_feedback(),
+                backpressure,
             };
             let changed = next != *p;
             *p = next;
@@ -361,6 +399,8 @@ impl Proposer {
             failed: false,
             synced: false,
             finishing: false,
+            hs_feedback: HotStandbyFeedback::default(),
+            backpressure: Backpressure::Off,
         });
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -490,6 +530,19 @@ impl Proposer {
             }
         }
         self.shared.dispatch(&mut st);
+        Ok(())
+    }
+
+    /// Waits as backpressure asks before new WAL is pushed: not at all when it is off, its
+    /// delay when slowed down, until it is no longer paused when paused (or the proposer
+    /// stopped). Cancellation-safe.
+    pub async fn throttle(&self) -> Result<(), ProposerError> {
+        let p = self
+            .wait_for(|p| !matches!(p.backpressure, Backpressure::Paused { .. }))
+            .await?;
+        if let Backpressure::Slow { delay_ms, .. } = p.backpressure {
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        }
         Ok(())
     }
 

@@ -15,7 +15,12 @@
 //!    continue exactly there), else the segment start of step 2. Every XLogData payload is pushed
 //!    in order (a gap is an error); keepalives asking for a reply are answered; the quorum-committed
 //!    LSN is reported as write, flush and apply position, every second and whenever it advances,
-//!    so the primary recycles only WAL that a quorum holds.
+//!    so the primary recycles only WAL that a quorum holds. The safekeepers' readers' oldest
+//!    xmin and catalog xmin ([`super::Progress::hs_feedback`]) go to the primary as hot-standby
+//!    feedback whenever they change (and once at the start of each stream), so its vacuum keeps
+//!    what their queries see; while slow readers pause the proposer
+//!    ([`super::consensus::Backpressure`]) nothing more is read from the primary, and while they
+//!    slow it each message read is followed by the delay it asks for.
 //!
 //! Trust and cleartext-password authentication only (what [`pq_proto::client`] implements); no
 //! TLS; timeline 1 only. Not here: the election and streaming to safekeepers ([`super`]).
@@ -27,11 +32,13 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
+use super::consensus::Backpressure;
 use super::{Proposer, ProposerError};
 use pg_wal::format::is_valid_seg_size;
 use pq_proto::client::{ClientConfig, ClientConn};
 use pq_proto::replication::{ReplicationError, ReplicationMessage, StandbyMessage};
 use pq_proto::{BackendMessage, PqError};
+use sk_core::protocol::HotStandbyFeedback;
 use sk_core::types::Lsn;
 
 /// Default name of the physical slot on the primary.
@@ -322,6 +329,15 @@ pub struct RelayStats {
     pub mb_per_second: f64,
     /// Status updates sent to the primary.
     pub status_updates: u64,
+    /// Hot-standby feedback messages sent to the primary (the safekeepers' readers' oldest
+    /// xmins, each time they changed).
+    pub hs_feedback_sent: u64,
+    /// Times the relay paused reading for slow readers (backpressure).
+    pub backpressure_pauses: u64,
+    /// Seconds spent paused for slow readers.
+    pub backpressure_paused_seconds: f64,
+    /// Seconds spent waiting while slowed down for slow readers.
+    pub backpressure_slowed_seconds: f64,
 }
 
 /// A replication connection to a primary, identified and with its slot in place.
@@ -536,8 +552,40 @@ impl Primary {
             reply_requested,
         };
 
+        // The safekeepers' readers' oldest xmins, last sent to the primary (none yet on this
+        // stream: the first is sent at once, so a slot's xmin left by an earlier stream is
+        // replaced or released).
+        let mut hs_sent: Option<HotStandbyFeedback> = None;
+        let mut paused_since: Option<Instant> = None;
+
         let result: Result<(), SourceError> = loop {
             let p = *progress.borrow_and_update();
+            if hs_sent != Some(p.hs_feedback) {
+                wr.write_standby_message(&hs_feedback_message(&p.hs_feedback));
+                if let Err(e) = wr.flush().await {
+                    break Err(e.into());
+                }
+                tracing::debug!(
+                    xmin = p.hs_feedback.xmin,
+                    catalog_xmin = p.hs_feedback.catalog_xmin,
+                    "hot-standby feedback to the primary"
+                );
+                hs_sent = Some(p.hs_feedback);
+                stats.hs_feedback_sent += 1;
+            }
+            // Slow readers: read nothing from the primary while paused.
+            let paused = matches!(p.backpressure, Backpressure::Paused { .. });
+            match (paused, paused_since) {
+                (true, None) => {
+                    paused_since = Some(Instant::now());
+                    stats.backpressure_pauses += 1;
+                }
+                (false, Some(t)) => {
+                    stats.backpressure_paused_seconds += t.elapsed().as_secs_f64();
+                    paused_since = None;
+                }
+                _ => {}
+            }
             if let Some(seen) = p.stepped_down {
                 break Err(ProposerError::SteppedDown {
                     ours: proposer.term(),
@@ -551,7 +599,8 @@ impl Primary {
                 .received_lsn
                 .0
                 .saturating_sub(p.commit_lsn.max(start).0)
-                < self.opts.window;
+                < self.opts.window
+                && !paused;
             let mut send_status = false;
             tokio::select! {
                 // Cancellation-safe: a partly read message stays in the reader's buffer.
@@ -590,6 +639,11 @@ impl Primary {
                             }
                             stats.received_lsn = Lsn(wal_start.0 + data.len() as u64);
                             stats.bytes += data.len() as u64;
+                            if let Backpressure::Slow { delay_ms, .. } = proposer.progress().backpressure {
+                                let delay = Duration::from_millis(delay_ms);
+                                tokio::time::sleep(delay).await;
+                                stats.backpressure_slowed_seconds += delay.as_secs_f64();
+                            }
                         }
                         Ok(ReplicationMessage::Keepalive { reply_requested, .. }) => {
                             send_status = reply_requested;
@@ -642,10 +696,26 @@ impl Primary {
             }
             let _ = wr.terminate().await;
         }
+        if let Some(t) = paused_since {
+            stats.backpressure_paused_seconds += t.elapsed().as_secs_f64();
+        }
         stats.commit_lsn = proposer.progress().commit_lsn;
         stats.seconds = started.elapsed().as_secs_f64();
         stats.mb_per_second = stats.bytes as f64 / stats.seconds.max(1e-9) / 1e6;
         result.map(|()| stats)
+    }
+}
+
+/// The standby message that tells the primary the oldest xmin and catalog xmin to keep: the
+/// full 64-bit xids split into xid and epoch (PostgreSQL checks the pair against its next xid);
+/// 0 releases what was kept.
+pub fn hs_feedback_message(f: &HotStandbyFeedback) -> StandbyMessage {
+    StandbyMessage::HotStandbyFeedback {
+        send_time: pq_proto::pg_now(),
+        xmin: f.xmin as u32,
+        epoch: (f.xmin >> 32) as u32,
+        catalog_xmin: f.catalog_xmin as u32,
+        catalog_epoch: (f.catalog_xmin >> 32) as u32,
     }
 }
 

@@ -116,6 +116,8 @@ pub async fn run_with_ledger(
     let mut records = 0u64;
     let capacity = opts.chunk_bytes + opts.record_size + 8192;
     while produced < opts.total_bytes {
+        // Slow readers (`--max-replication-*-lag`) hold the next chunk back.
+        proposer.throttle().await?;
         let at = generator.lsn();
         let mut buf = Vec::with_capacity(capacity);
         let want = opts

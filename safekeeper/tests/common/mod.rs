@@ -145,6 +145,8 @@ pub fn proposer_config(
         wal_seg_size: SEG_SIZE as u32,
         start_lsn: start,
         allow_timeline_creation: true,
+        max_replication_flush_lag: 0,
+        max_replication_apply_lag: 0,
     }
 }
 

@@ -109,6 +109,8 @@ async fn elect(args: &Args, addr: &SafekeeperAddr, i: u32) -> anyhow::Result<Tim
         wal_seg_size: args.wal_seg_size,
         start_lsn: Lsn(args.wal_seg_size as u64),
         allow_timeline_creation: true,
+        max_replication_flush_lag: 0,
+        max_replication_apply_lag: 0,
     };
     let proposer = Proposer::elect(cfg)
         .await

@@ -107,6 +107,14 @@ struct Args {
     /// Synthetic: total WAL to generate (bytes; K, M, G suffixes are powers of 1024).
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     total: u64,
+    /// Pause appends while the slowest required reader (the safekeepers'
+    /// `--backpressure-readers`) has flushed more than this many bytes less than our end of
+    /// WAL; slow them from half of it. 0: no limit (K, M, G suffixes).
+    #[arg(long, default_value = "0", value_parser = parse_size)]
+    max_replication_flush_lag: u64,
+    /// The same for what the slowest required reader has applied.
+    #[arg(long, default_value = "0", value_parser = parse_size)]
+    max_replication_apply_lag: u64,
     /// Synthetic: WAL bytes per second (default: as fast as the quorum commits).
     #[arg(long, value_parser = parse_size)]
     rate: Option<u64>,
@@ -243,6 +251,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         wal_seg_size: args.wal_seg_size,
         start_lsn: args.start_lsn,
         allow_timeline_creation: true,
+        max_replication_flush_lag: args.max_replication_flush_lag,
+        max_replication_apply_lag: args.max_replication_apply_lag,
     };
     if matches!(args.source, Source::Postgres) {
         return relay_postgres(&args, cfg).await;

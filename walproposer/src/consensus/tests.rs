@@ -819,3 +819,127 @@ fn re_election_fails_if_the_donor_holds_another_proposers_wal() {
         Action::ElectionFailed { reason } if reason.contains("another proposer")
     )));
 }
+
+/// An acknowledgement of `flush` that carries the readers' feedback: their oldest xmin and the
+/// slowest required reader's flushed and applied positions.
+fn ack_with_readers(flush: u64, xmin: u64, slowest: Option<(u64, u64)>) -> AcceptorProposerMessage {
+    AcceptorProposerMessage::AppendResponse(AppendResponse {
+        generation: Generation::INVALID,
+        term: Term(1),
+        flush_lsn: Lsn(flush),
+        commit_lsn: Lsn(0),
+        hs_feedback: HotStandbyFeedback {
+            ts: 1,
+            xmin,
+            catalog_xmin: 0,
+        },
+        pageserver_feedback: slowest.map(|(f, a)| sk_core::protocol::PageserverFeedback {
+            last_received_lsn: Lsn(f),
+            disk_consistent_lsn: Lsn(f),
+            remote_consistent_lsn: Lsn(a),
+            ..Default::default()
+        }),
+    })
+}
+
+/// Elected over 3 safekeepers with the given lag limits, `len` bytes pushed; returns the
+/// harness and the term start.
+fn elected_with_limits(flush_limit: u64, apply_limit: u64, len: u64) -> (Harness, u64) {
+    let mut c = cfg(3);
+    c.max_replication_flush_lag = flush_limit;
+    c.max_replication_apply_lag = apply_limit;
+    let mut t = Harness {
+        core: ProposerCore::new(c),
+        actions: Vec::new(),
+    };
+    t.greet_all(&[0, 0, 0]);
+    for sk in 0..3 {
+        t.recv(sk, vote(1, true, 0, h(&[])));
+    }
+    let start = 0x100_0000u64;
+    t.core
+        .push(Lsn(start), Bytes::from(vec![0u8; len as usize]))
+        .unwrap();
+    t.actions.extend(t.core.take_actions());
+    (t, start)
+}
+
+#[test]
+fn backpressure_slows_from_half_the_limit_and_pauses_at_it() {
+    let (mut t, start) = elected_with_limits(1000, 0, 2000);
+    let end = start + 2000;
+    assert_eq!(
+        t.core.backpressure(),
+        Backpressure::Off,
+        "no reader reports"
+    );
+    // The slowest required reader flushed 1400 of 2000: 600 behind, over half of 1000.
+    t.recv(
+        0,
+        ack_with_readers(end, 0, Some((start + 1400, start + 1400))),
+    );
+    assert_eq!(
+        t.core.backpressure(),
+        Backpressure::Slow {
+            delay_ms: MAX_SLOW_DELAY_MS / 5,
+            lag: 600
+        }
+    );
+    // Another safekeeper's reader is slower: 1001 behind, past the limit.
+    t.recv(
+        1,
+        ack_with_readers(end, 0, Some((start + 999, start + 999))),
+    );
+    assert_eq!(t.core.backpressure(), Backpressure::Paused { lag: 1001 });
+    // One byte under the limit only slows.
+    t.recv(
+        1,
+        ack_with_readers(end, 0, Some((start + 1001, start + 1001))),
+    );
+    assert!(matches!(
+        t.core.backpressure(),
+        Backpressure::Slow { lag: 999, .. }
+    ));
+    // Below half: full speed again.
+    t.recv(
+        0,
+        ack_with_readers(end, 0, Some((start + 1600, start + 1600))),
+    );
+    t.recv(1, ack_with_readers(end, 0, None));
+    assert_eq!(t.core.backpressure(), Backpressure::Off);
+    // A paused reader's safekeeper disconnects: its report counts no more.
+    t.recv(2, ack_with_readers(end, 0, Some((start, start))));
+    assert!(matches!(t.core.backpressure(), Backpressure::Paused { .. }));
+    t.drop_conn(2);
+    assert_eq!(t.core.backpressure(), Backpressure::Off);
+}
+
+#[test]
+fn apply_lag_limit_counts_the_applied_position_and_no_limit_never_pauses() {
+    let (mut t, start) = elected_with_limits(0, 500, 2000);
+    let end = start + 2000;
+    // Flushed everything but applied only 1000: 1000 behind, past the apply limit.
+    t.recv(0, ack_with_readers(end, 0, Some((end, start + 1000))));
+    assert_eq!(t.core.backpressure(), Backpressure::Paused { lag: 1000 });
+
+    let (mut t, start) = elected_with_limits(0, 0, 2000);
+    t.recv(0, ack_with_readers(start + 2000, 0, Some((start, start))));
+    assert_eq!(t.core.backpressure(), Backpressure::Off, "no limit set");
+}
+
+#[test]
+fn hot_standby_feedback_is_the_oldest_over_connected_safekeepers() {
+    let (mut t, start) = elected_with_limits(0, 0, 100);
+    let end = start + 100;
+    assert!(t.core.hs_feedback().is_empty());
+    t.recv(0, ack_with_readers(end, (2 << 32) | 10, None));
+    t.recv(1, ack_with_readers(end, (1 << 32) | 4_000_000_000, None));
+    t.recv(2, ack_with_readers(end, 0, None));
+    assert_eq!(t.core.hs_feedback().xmin, (1 << 32) | 4_000_000_000);
+    // The safekeeper with the older xmin goes away: the other's remains.
+    t.drop_conn(1);
+    assert_eq!(t.core.hs_feedback().xmin, (2 << 32) | 10);
+    // Its readers released it.
+    t.recv(0, ack_with_readers(end, 0, None));
+    assert!(t.core.hs_feedback().is_empty());
+}
