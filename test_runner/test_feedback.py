@@ -98,7 +98,8 @@ def test_standby_snapshot_holds_the_primarys_vacuum_through_the_safekeeper(
     session = None
     try:
         wait_until(
-            lambda: lsn_int(timeline(sk)["commit_lsn"]) >= primary.current_lsn(),
+            lambda: requests.get(f"{sk.http}/v1/timelines", timeout=5).json()
+            and lsn_int(timeline(sk)["commit_lsn"]) >= primary.current_lsn(),
             "the primary's WAL committed",
             timeout=60,
         )
@@ -123,7 +124,7 @@ def test_standby_snapshot_holds_the_primarys_vacuum_through_the_safekeeper(
         held = wait_until(lambda: timeline(sk)["hs_feedback"]["xmin"], "hs_feedback at the sk")
         # (A new cluster is in epoch 0: 32-bit and full xids compare alike.)
         deleted = int(primary.psql("WITH d AS (DELETE FROM t RETURNING 1) SELECT txid_current()"))
-        assert held < deleted, (held, deleted)
+        assert held <= deleted, (held, deleted)  # the DELETE is invisible to the snapshot
         deleted_at = primary.current_lsn()
         # The standby's xmin is at the primary: its slot's xmin is the one the sk aggregated.
         wait_until(
