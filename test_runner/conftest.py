@@ -3,6 +3,8 @@ stop them (also when a test fails)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fixtures.daemon import ExampleService, Safekeeper, build_release
@@ -12,6 +14,14 @@ from fixtures.pg import PgCluster
 @pytest.fixture(scope="session", autouse=True)
 def release_binaries() -> None:
     build_release()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_symbol_index(tmp_path_factory) -> None:
+    """Profiles symbolize through an index of each binary, built at the first profile (~10 s of
+    CPU for the safekeeper) into the daemon's data directory. Every test has new data
+    directories: share one index directory for the session so each binary is indexed once."""
+    os.environ.setdefault("PROFILING_SYMBOL_INDEX_DIR", str(tmp_path_factory.mktemp("symidx")))
 
 
 @pytest.fixture

@@ -105,10 +105,10 @@ class Reader(threading.Thread):
 # duration (more than the 10 s promised).
 STATUS_TIMEOUT = 15
 # RSS bounds of every daemon, sampled all along the run: any sample, and the samples of a
-# process past its first WARM_UP seconds. Each start-up peaks at about 316 MiB for ~0.1 s:
-# profiling::warm_up symbolizes one backtrace (the binary's full debug info), then frees it;
-# the steady state is ~40-70 MiB.
-RSS_BOUND = 400 << 20
+# process past its first WARM_UP seconds. Start-up no longer peaks (profiling::warm_up used to
+# symbolize one backtrace through the binary's full debug info: ~316 MiB for ~0.1 s); symbols
+# now come from a memory-mapped index. The steady state is ~40-70 MiB.
+RSS_BOUND = 192 << 20
 RSS_STEADY_BOUND = 192 << 20
 WARM_UP = 2.0
 

@@ -27,6 +27,8 @@ use axum::routing::{get, put};
 profiling::global_allocator!();
 
 fn main() -> anyhow::Result<()> {
+    // 1b. First of all: this process may be started as the symbol-index builder (it exits then).
+    profiling::maybe_run_helper();
     let addr: SocketAddr = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "127.0.0.1:7677".into())

@@ -23,8 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{ProfileError, parse_bounded, parse_choice, parse_flag, reject_unknown};
 use crate::metrics::{Outcome, record};
-use crate::svg;
-use crate::symcache::{self, Symbolizing};
+use crate::{svg, symbolize};
 
 const DEFAULT_SECONDS: u64 = 5;
 /// Go's `net/http/pprof` default for `/debug/pprof/profile`.
@@ -76,15 +75,10 @@ pub fn max_sampling_frequency() -> u64 {
 /// pprof-rs's framehop unwinder is created lazily inside the first SIGPROF handler, and creating
 /// it allocates and reads the module list: unsafe if that first signal interrupts a thread inside
 /// malloc. Calling this once at start-up, before other threads exist, runs that first handler on a
-/// thread that is only spinning. Later handlers do not allocate. Takes a few milliseconds of CPU.
+/// thread that is only spinning. Later handlers do not allocate. Takes a few milliseconds of CPU
+/// and no symbolization (pprof-rs's own start-up resolve is patched out: third_party/README.md).
 pub fn warm_up() {
-    // The first profile also symbolizes one backtrace: free that cache when done (nobody is
-    // profiling yet).
-    {
-        let _symbolizing = Symbolizing::begin();
-        build_unwinder();
-    }
-    symcache::free_now();
+    build_unwinder();
 }
 
 fn build_unwinder() {
@@ -171,10 +165,9 @@ async fn profile(
     let frequency = requested.min(max);
 
     let (held, cancel) = acquire(force).await?;
-    // Starting a profile resolves one backtrace (pprof-rs warms its unwinder that way), which
-    // parses the binary's debug info: blocking work, and a cache to free right after.
+    // Starting a profile captures one backtrace (pprof-rs warms its unwinder that way):
+    // blocking work, kept off the executor threads.
     let guard = tokio::task::spawn_blocking(move || {
-        let _symbolizing = Symbolizing::begin();
         pprof::ProfilerGuardBuilder::default()
             .frequency(frequency as i32)
             .build()
@@ -199,9 +192,13 @@ async fn profile(
     // Symbolization, encoding and rendering are CPU-heavy: keep them off the executor threads.
     let (body, duration) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let _held = held;
-        let _symbolizing = Symbolizing::begin();
         // The report must be built before the guard is dropped: dropping resets the samples.
-        let report = guard.report().build().context("building the CPU report")?;
+        // Unresolved: we symbolize through our own index (symbolize.rs), never through the
+        // `backtrace` crate's DWARF cache.
+        let report = guard
+            .report()
+            .build_unresolved()
+            .context("building the CPU report")?;
         drop(guard);
         let duration = report.timing.duration;
         let samples: isize = report.data.values().sum();
@@ -224,18 +221,23 @@ async fn profile(
                         ""
                     }
                 );
+                let lines = symbolize::cpu_folded(&report);
                 let mut svg = Vec::new();
-                report
-                    .flamegraph_with_options(&mut svg, &mut opts)
-                    .context("rendering the flamegraph")?;
+                pprof::flamegraph::from_lines(
+                    &mut opts,
+                    lines.iter().map(String::as_str),
+                    &mut svg,
+                )
+                .context("rendering the flamegraph")?;
                 svg
             }
             _ => {
                 // A profile with no samples is still a valid profile (types, period, duration).
-                let proto = report.pprof().context("encoding the pprof profile")?;
-                gzip(&proto.encode_to_vec())?
+                gzip(&symbolize::cpu_pprof(&report).encode_to_vec())?
             }
         };
+        drop(report);
+        symbolize::purge();
         Ok((body, duration))
     })
     .await

@@ -19,7 +19,6 @@ use crate::cpu::gzip;
 use crate::error::{ProfileError, parse_bounded, parse_choice, reject_unknown};
 use crate::jeheap::{self, ALLOC_SPACE, HeapProfile, INUSE_SPACE};
 use crate::metrics::{Outcome, record};
-use crate::symcache::Symbolizing;
 use crate::{svg, symbolize};
 
 /// Which view of the heap a route serves by default.
@@ -214,8 +213,7 @@ fn render(
     title: &str,
     empty: &str,
 ) -> Result<Vec<u8>, ProfileError> {
-    let _symbolizing = Symbolizing::begin();
-    match format {
+    let body = match format {
         "svg" => {
             let lines = symbolize::to_folded(profile, kind.value());
             if lines.is_empty() {
@@ -233,7 +231,9 @@ fn render(
             let proto = symbolize::to_pprof(profile, kind.default_type());
             Ok(gzip(&proto.encode_to_vec())?)
         }
-    }
+    };
+    symbolize::purge();
+    body
 }
 
 fn check_active(ctl: &jemalloc_pprof::JemallocProfCtl) -> Result<(), ProfileError> {

@@ -48,7 +48,7 @@ mod jeheap;
 mod metrics;
 mod svg;
 mod symbolize;
-mod symcache;
+mod symindex;
 
 use axum::Router;
 use axum::routing::get;
@@ -56,6 +56,7 @@ use axum::routing::get;
 pub use cpu::{max_sampling_frequency, warm_up};
 pub use error::ProfileError;
 pub use metrics::register_metrics;
+pub use symindex::{INDEX_DIR_ENV, maybe_run_helper, set_symbol_index_dir};
 
 /// The malloc_conf every profiled binary uses: heap profiling on from the start, one sample per
 /// 2 MiB allocated on average (`lg_prof_sample:21`: ~3% overhead measured by neon, against ~7%

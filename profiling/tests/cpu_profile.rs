@@ -144,9 +144,9 @@ fn process_cpu_time() -> f64 {
 
 /// Takes a profile and measures the CPU time the burner and the whole process used while it was
 /// being sampled: from the profile's start (`time_nanos`) for its `duration_nanos`, read off a
-/// record of the CPU clocks taken every 2 ms during the request. (Starting and ending a profile parse the binary's
-/// debug info for symbols, which takes a while in a debug build; the burner runs on meanwhile, and
-/// on a loaded machine not at the same pace.)
+/// record of the CPU clocks taken every 2 ms during the request. (The first profile builds the
+/// test binary's symbol index, which takes a while in a debug build; the burner runs on
+/// meanwhile, and on a loaded machine not at the same pace.)
 async fn sampled_cpu_time(burner: &std::thread::JoinHandle<u64>, query: &str) -> (Profile, Cpu) {
     let now_nanos = || {
         std::time::SystemTime::now()

@@ -43,6 +43,8 @@ pub enum TestHooks {
 /// [`run`] until SIGTERM or SIGINT; exits 1 with the error on failure.
 pub fn main(hooks: TestHooks) {
     use clap::Parser;
+    // First of all: this process may be the profiler's symbol-index builder (it exits then).
+    profiling::maybe_run_helper();
     let mut conf = Conf::parse();
     conf.test_hooks = hooks == TestHooks::On;
     crate::logging::init(conf.log_format);
@@ -53,6 +55,8 @@ pub fn main(hooks: TestHooks) {
              in production"
         );
     }
+    // Symbol indexes for profiles live beside the data they describe (built at the first profile).
+    profiling::set_symbol_index_dir(conf.datadir.join(".symcache"));
     // Before any other thread exists: see profiling::warm_up.
     profiling::warm_up();
     let result = tokio::runtime::Builder::new_multi_thread()
