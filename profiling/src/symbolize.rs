@@ -352,11 +352,14 @@ fn fold(stacks: impl Iterator<Item = (String, f64)>) -> Vec<String> {
     lines
 }
 
+/// One resolved stack, leaf first: each frame's address and its (inlined) functions.
+type ResolvedStack = Vec<(usize, Vec<Frame>)>;
+
 /// A CPU report's stacks, resolved: (thread name, stack leaf first, sample count).
 fn cpu_stacks(
     report: &pprof::UnresolvedReport,
     resolver: &mut Resolver<'_>,
-) -> Vec<(String, Vec<(usize, Vec<Frame>)>, isize)> {
+) -> Vec<(String, ResolvedStack, isize)> {
     report
         .data
         .iter()

@@ -93,7 +93,7 @@ pub struct Conf {
 
     /// Time a client of the PostgreSQL port has to finish the startup handshake (encryption,
     /// startup packet, password).
-    #[arg(long, env = "SAFEKEEPER_HANDSHAKE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "SAFEKEEPER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
 
     /// Most HTTP requests in progress at once in each route class (data routes; status,
@@ -244,7 +244,7 @@ impl Conf {
             max_handshaking_connections: 64,
             max_open_segment_files: None,
             pg_idle_timeout: Duration::from_secs(600),
-            handshake_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
             http_max_concurrent_requests: 128,
             test_hooks: false,
             remote_storage: None,

@@ -68,7 +68,7 @@ impl Default for WalServiceConf {
             max_connections: 256,
             max_handshaking: 64,
             idle_timeout: Duration::from_secs(600),
-            handshake_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
             auth: None,
             tls: None,
             backpressure_readers: RequiredReaders::default(),
