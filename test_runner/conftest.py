@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import requests
 
 from fixtures.daemon import ExampleService, Safekeeper, build_release
 from fixtures.pg import PgCluster
@@ -17,11 +18,19 @@ def release_binaries() -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def shared_symbol_index(tmp_path_factory) -> None:
+def shared_symbol_index(release_binaries, tmp_path_factory) -> None:
     """Profiles symbolize through an index of each binary, built at the first profile (~10 s of
-    CPU for the safekeeper) into the daemon's data directory. Every test has new data
-    directories: share one index directory for the session so each binary is indexed once."""
+    CPU for the safekeeper, more on a loaded machine) into the daemon's data directory. Every
+    test has new data directories: share one index directory for the session, and build the
+    safekeeper's index once here, so that no test's first profile waits for it under its own
+    request timeout."""
     os.environ.setdefault("PROFILING_SYMBOL_INDEX_DIR", str(tmp_path_factory.mktemp("symidx")))
+    sk = Safekeeper(datadir=tmp_path_factory.mktemp("symidx-sk") / "sk1", node_id=1)
+    try:
+        sk.start()
+        requests.get(f"{sk.http}/profile/heap", timeout=300).raise_for_status()
+    finally:
+        sk.kill()
 
 
 @pytest.fixture

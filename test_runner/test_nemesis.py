@@ -107,7 +107,7 @@ STATUS_TIMEOUT = 15
 # RSS bounds of every daemon, sampled all along the run: any sample, and the samples of a
 # process past its first WARM_UP seconds. Start-up no longer peaks (profiling::warm_up used to
 # symbolize one backtrace through the binary's full debug info: ~316 MiB for ~0.1 s); symbols
-# now come from a memory-mapped index. The steady state is ~40-70 MiB.
+# now come from an on-disk index read with pread. The steady state is ~40-70 MiB.
 RSS_BOUND = 192 << 20
 RSS_STEADY_BOUND = 192 << 20
 WARM_UP = 2.0

@@ -5,7 +5,6 @@ XML parser."""
 
 from __future__ import annotations
 
-import gzip
 import os
 import re
 import subprocess
@@ -367,8 +366,8 @@ def test_profiles_keep_rss_within_20_mib_of_idle(
     safekeeper_factory, example_factory, kind, tmp_path
 ):
     """Symbolizing used to parse the binary's debug info onto the heap (~280 MiB for the
-    safekeeper, at every start-up and kept while profiles were taken). Now it reads a
-    memory-mapped index built by a child process: the start-up peak (VmHWM), RSS while a
+    safekeeper, at every start-up and kept while profiles were taken). Now it reads an
+    on-disk index built by a child process: the start-up peak (VmHWM), RSS while a
     scraper takes CPU and heap profiles, and RSS after them all stay within 20 MiB of idle;
     and the profiles still name functions by their full paths, with inlined frames and
     file:line, as `go tool pprof` reads them."""
@@ -378,9 +377,9 @@ def test_profiles_keep_rss_within_20_mib_of_idle(
     idle = server.rss_bytes()
     hwm = proc_status(server, "VmHWM")
     assert idle < 40 * MIB, f"idle RSS {idle / MIB:.1f} MiB"
-    assert hwm - idle < 20 * MIB, (
-        f"start-up peak {hwm / MIB:.1f} MiB against {idle / MIB:.1f} MiB idle"
-    )
+    assert (
+        hwm - idle < 20 * MIB
+    ), f"start-up peak {hwm / MIB:.1f} MiB against {idle / MIB:.1f} MiB idle"
 
     peak = [idle]
     stop = threading.Event()
@@ -407,9 +406,9 @@ def test_profiles_keep_rss_within_20_mib_of_idle(
         stop.set()
         sampler.join(timeout=5)
     after = server.rss_bytes()
-    assert peak[0] - idle < 20 * MIB, (
-        f"RSS peaked {(peak[0] - idle) / MIB:.1f} MiB above idle while profiling"
-    )
+    assert (
+        peak[0] - idle < 20 * MIB
+    ), f"RSS peaked {(peak[0] - idle) / MIB:.1f} MiB above idle while profiling"
     assert after - idle < 20 * MIB, f"RSS {(after - idle) / MIB:.1f} MiB above idle after"
 
     last = str(tmp_path / f"cpu{SCRAPE_ROUNDS - 1}.pb.gz")
