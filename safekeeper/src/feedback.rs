@@ -275,29 +275,19 @@ impl Readers {
     /// The oldest xmin and catalog xmin any reader needs (each 0 if none needs one); `ts` is
     /// the newest feedback's time among the readers that need one.
     pub fn hs_feedback(&self) -> HotStandbyFeedback {
-        let map = self.inner.lock();
-        HotStandbyFeedback::oldest(map.values().map(|r| HotStandbyFeedback {
-            ts: r.hs_time,
-            xmin: r.xmin,
-            catalog_xmin: r.catalog_xmin,
-        }))
+        oldest_xmin(&self.inner.lock())
     }
 
     /// The slowest required reader's positions (by flush, then apply), as neon's pageserver
     /// feedback carries them; `None` without a required reader.
     pub fn slowest_required(&self) -> Option<PageserverFeedback> {
+        slowest_required(&self.inner.lock())
+    }
+
+    /// Both of the above under one lock: what every AppendResponse carries.
+    pub fn for_append(&self) -> (HotStandbyFeedback, Option<PageserverFeedback>) {
         let map = self.inner.lock();
-        let slowest = map
-            .values()
-            .filter(|r| r.info.required)
-            .min_by_key(|r| (r.positions[1], r.positions[2]))?;
-        Some(PageserverFeedback {
-            last_received_lsn: slowest.positions[0],
-            disk_consistent_lsn: slowest.positions[1],
-            remote_consistent_lsn: slowest.positions[2],
-            replytime: slowest.reply_time.unwrap_or(0),
-            ..Default::default()
-        })
+        (oldest_xmin(&map), slowest_required(&map))
     }
 
     /// Every reader, for the HTTP status; byte lags are measured against `commit`.
@@ -400,6 +390,30 @@ impl ReaderHandle {
             r.hs_time = send_time;
         });
     }
+}
+
+/// [`Readers::hs_feedback`] over the locked map.
+fn oldest_xmin(map: &BTreeMap<u64, Reader>) -> HotStandbyFeedback {
+    HotStandbyFeedback::oldest(map.values().map(|r| HotStandbyFeedback {
+        ts: r.hs_time,
+        xmin: r.xmin,
+        catalog_xmin: r.catalog_xmin,
+    }))
+}
+
+/// [`Readers::slowest_required`] over the locked map.
+fn slowest_required(map: &BTreeMap<u64, Reader>) -> Option<PageserverFeedback> {
+    let slowest = map
+        .values()
+        .filter(|r| r.info.required)
+        .min_by_key(|r| (r.positions[1], r.positions[2]))?;
+    Some(PageserverFeedback {
+        last_received_lsn: slowest.positions[0],
+        disk_consistent_lsn: slowest.positions[1],
+        remote_consistent_lsn: slowest.positions[2],
+        replytime: slowest.reply_time.unwrap_or(0),
+        ..Default::default()
+    })
 }
 
 impl Drop for ReaderHandle {

@@ -417,8 +417,7 @@ impl Timeline {
         if let Ok(Some(AcceptorProposerMessage::AppendResponse(r))) = &mut result
             && !recovery
         {
-            r.hs_feedback = self.feedback.hs_feedback();
-            r.pageserver_feedback = self.feedback.slowest_required();
+            (r.hs_feedback, r.pageserver_feedback) = self.feedback.for_append();
         }
         if let Some(a) = append
             && result.is_ok()
