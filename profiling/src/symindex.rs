@@ -752,17 +752,21 @@ impl SymbolIndex {
 mod tests {
     use super::*;
 
-    /// The object file and object address of a runtime address of this process.
-    fn object_address(addr: usize) -> (PathBuf, u64, u64) {
-        let m = mappings::MAPPINGS
+    /// The mapping of this process that holds a runtime address, if any, as
+    /// (memory start, memory end, file offset, object file).
+    fn mapping_of(addr: usize) -> Option<(usize, usize, u64, PathBuf)> {
+        mappings::MAPPINGS
             .as_deref()
             .unwrap_or(&[])
             .iter()
             .find(|m| (m.memory_start..m.memory_end).contains(&addr))
-            .expect("the address is mapped")
-            .clone();
-        let offset = (addr - m.memory_start) as u64 + m.file_offset;
-        (m.pathname, offset, addr as u64)
+            .map(|m| (m.memory_start, m.memory_end, m.file_offset, m.pathname.clone()))
+    }
+
+    /// The object file and file offset of a runtime address of this process.
+    fn object_address(addr: usize) -> (PathBuf, u64) {
+        let (start, _, file_offset, path) = mapping_of(addr).expect("the address is mapped");
+        (path, (addr - start) as u64 + file_offset)
     }
 
     /// What the `backtrace` crate (addr2line over the whole DWARF) says about `addr` (which it
@@ -811,15 +815,20 @@ mod tests {
         let index = open_or_build_in(dir.path(), &exe).unwrap();
         let mut checked = 0;
         let mut inlined = 0;
-        // The return addresses of this very stack, plus a spread of addresses over .text.
+        // The return addresses of this very stack, plus 400 addresses spread evenly over the
+        // executable mapping that holds this function (wherever the linker placed it).
         let text: Vec<usize> = {
-            let start = lookups_agree_with_addr2line_inlined_frames_included as *const () as usize;
-            (0..400)
-                .map(|i| start.wrapping_sub(200_000) + i * 997)
-                .collect()
+            let here = lookups_agree_with_addr2line_inlined_frames_included as *const () as usize;
+            let (start, end, _, _) = mapping_of(here).expect("this test's code is mapped");
+            let step = ((end - start) / 401).max(1);
+            (1..=400).map(|i| start + i * step).collect()
         };
         for &addr in stack.iter().chain(&text) {
-            let (object, offset, _) = object_address(addr);
+            // A return address outside any mapping (a frame of the unwinder's own) is skipped.
+            if mapping_of(addr).is_none() {
+                continue;
+            }
+            let (object, offset) = object_address(addr);
             if object != exe.canonicalize().unwrap_or(exe.clone()) && object != exe {
                 continue;
             }
@@ -840,16 +849,32 @@ mod tests {
         assert!(checked > 100, "only {checked} addresses checked");
         assert!(inlined > 0, "no inlined frames among {checked} addresses");
         // This test's own stack: `capture` called from `inlined_caller_of_capture`, which is
-        // inlined into `outer_with_an_inlined_call`.
-        let (_, offset, _) = object_address(stack[1]);
-        let mut frames = Vec::new();
-        index.lookup(index.vaddr_of_file_offset(offset - 1).unwrap(), &mut frames);
-        let names: Vec<String> = frames
+        // inlined into `outer_with_an_inlined_call`. How many unwinder frames sit above
+        // `capture` depends on the build profile, so the caller's frame is found by name.
+        let frames_at = |addr: usize| {
+            let (_, offset) = object_address(addr);
+            let mut frames = Vec::new();
+            if let Some(vaddr) = index.vaddr_of_file_offset(offset - 1) {
+                index.lookup(vaddr, &mut frames);
+            }
+            frames
+        };
+        let demangled = |frames: &[RawFrame]| -> Vec<String> {
+            frames
+                .iter()
+                .map(|f| format!("{:#}", rustc_demangle::demangle(&f.name)))
+                .collect()
+        };
+        let capture_at = stack
             .iter()
-            .map(|f| format!("{:#}", rustc_demangle::demangle(&f.name)))
-            .collect();
+            .position(|&a| {
+                demangled(&frames_at(a)).first().map(String::as_str)
+                    == Some("profiling::symindex::tests::capture")
+            })
+            .expect("`capture` is on the captured stack");
+        let frames = frames_at(stack[capture_at + 1]);
         assert_eq!(
-            names,
+            demangled(&frames),
             [
                 "profiling::symindex::tests::inlined_caller_of_capture",
                 "profiling::symindex::tests::outer_with_an_inlined_call"
@@ -885,7 +910,7 @@ mod tests {
             Err(OpenError::Corrupt(_))
         ));
         let rebuilt = open_or_build_in(dir.path(), &object).unwrap();
-        let (_, offset, _) = object_address(libc::getpid as *const () as usize);
+        let (_, offset) = object_address(libc::getpid as *const () as usize);
         let mut frames = Vec::new();
         rebuilt.lookup(rebuilt.vaddr_of_file_offset(offset).unwrap(), &mut frames);
         assert!(
