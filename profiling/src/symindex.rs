@@ -840,6 +840,14 @@ mod tests {
             let ours: Vec<(String, String, u32)> =
                 ours.into_iter().map(|f| (f.name, f.file, f.line)).collect();
             let reference = reference_frames(addr);
+            // The one known difference: `backtrace` takes a symbol's end as inclusive, so the
+            // byte just past a function without DWARF (padding; never a return address less
+            // one) gets that function's name from it and none from the index.
+            if ours.is_empty()
+                && matches!(&reference[..], [(_, file, 0)] if file.is_empty())
+            {
+                continue;
+            }
             assert_eq!(ours, reference, "at {addr:#x}");
             checked += 1;
             if ours.len() > 1 {
