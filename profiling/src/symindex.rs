@@ -760,7 +760,14 @@ mod tests {
             .unwrap_or(&[])
             .iter()
             .find(|m| (m.memory_start..m.memory_end).contains(&addr))
-            .map(|m| (m.memory_start, m.memory_end, m.file_offset, m.pathname.clone()))
+            .map(|m| {
+                (
+                    m.memory_start,
+                    m.memory_end,
+                    m.file_offset,
+                    m.pathname.clone(),
+                )
+            })
     }
 
     /// The object file and file offset of a runtime address of this process.
@@ -843,9 +850,7 @@ mod tests {
             // The one known difference: `backtrace` takes a symbol's end as inclusive, so the
             // byte just past a function without DWARF (padding; never a return address less
             // one) gets that function's name from it and none from the index.
-            if ours.is_empty()
-                && matches!(&reference[..], [(_, file, 0)] if file.is_empty())
-            {
+            if ours.is_empty() && matches!(&reference[..], [(_, file, 0)] if file.is_empty()) {
                 continue;
             }
             assert_eq!(ours, reference, "at {addr:#x}");

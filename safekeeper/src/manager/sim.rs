@@ -1,23 +1,29 @@
-//! The seeded simulation of the timeline manager: the real [`ManagerCore`] over a real
-//! [`Timeline`] and [`GlobalTimelines`] on a simulated disk ([`SimFs`]) with a real in-memory
-//! object store, driven by one seeded schedule. A term-1 proposer appends and commits WAL;
-//! the core's actions are performed in any order (as the tokio driver's concurrent tasks may
-//! finish), the store has outages, readers take and release holds, the process crashes or the
-//! machine loses power between any two steps, and the timeline is deleted and created again
-//! with the same ids.
+//! The seeded simulation of the timeline manager: the real [`ManagerCore`] over real
+//! [`Timeline`]s and [`GlobalTimelines`] of N nodes (3 by default), each on a simulated disk
+//! ([`SimFs`]) of its own, backing up into one real in-memory object store, driven by one seeded
+//! schedule. A proposer elects itself on a quorum, appends WAL to the nodes it reaches (a node
+//! may miss appends and lag) and commits what a quorum acknowledged in its term; each node's
+//! manager actions are performed in any order (as the tokio driver's concurrent tasks may
+//! finish); the store has outages; readers take and release holds; any node crashes or loses
+//! power between any two steps and restarts (and a new term may follow); a node is replaced by
+//! pulling the timeline from the most advanced one; the timeline is deleted on every node and
+//! created again with the same ids.
 //!
 //! Invariants, checked after every step:
-//! - a crashed node restarts (its timelines load);
-//! - no local segment is gone that the persisted commit LSN, backup LSN or peers' horizon
-//!   still needs, nor one a live reader's hold needs;
-//! - every acknowledged WAL byte is either local or in the store, identical (checked against
-//!   the bytes the proposer sent);
+//! - a crashed node restarts (its timelines load), and its WAL still reaches what it
+//!   acknowledged;
+//! - no node has removed a local segment that its persisted commit LSN, backup LSN or peers'
+//!   horizon still needs, nor one a live reader's hold needs;
+//! - every node's WAL is a prefix of the proposer's (byte for byte, below its flush LSN);
+//! - every committed (quorum-acknowledged) byte is in the store or, identical, on a quorum of
+//!   nodes; a new term's proposer finds all of it among its voters;
+//! - a pull yields a verified copy of the donor's WAL or a clear refusal;
 //! - a deleted timeline's remote objects are gone before a timeline with the same ids exists
 //!   again, and while they are not, creating it is refused (also across restarts).
 //!
-//! Knobs: `MANAGER_SIM_SEEDS` (default 1000) seeds of `MANAGER_SIM_STEPS` (default 200) steps;
-//! `MANAGER_SIM_SEED=s` replays one (the `#[ignore]`d `manager_sim_replay_one_seed`), and a
-//! failure prints the command that does it.
+//! Knobs: `MANAGER_SIM_SEEDS` (default 300 on three nodes, 300 on one) seeds of `MANAGER_SIM_STEPS` (default 200) steps;
+//! `MANAGER_SIM_NODES` (default 3) nodes for the replay; `MANAGER_SIM_SEED=s` replays one (the
+//! `#[ignore]`d `manager_sim_replay_one_seed`), and a failure prints the command that does it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -27,17 +33,19 @@ use bytes::Bytes;
 use pg_wal::generator::WalGenerator;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use sk_core::protocol::{AppendRequest, AppendRequestHeader, ProposerAcceptorMessage};
+use sk_core::protocol::{
+    AppendRequest, AppendRequestHeader, ProposerAcceptorMessage, ProposerElected,
+};
 use sk_core::state::{Configuration, ServerInfo};
 use sk_core::storage::fs::{Fs, SimFs};
-use sk_core::types::{Generation, Lsn, NodeId, TenantTimelineId, Term};
+use sk_core::types::{Generation, Lsn, NodeId, TenantTimelineId, Term, TermHistory, TermLsn};
 
 use super::tests::cfg;
 use super::*;
 use crate::lifecycle::observe;
 use crate::registry::{CreateTimeline, GlobalTimelines};
 use crate::remove_wal::ReadHold;
-use crate::test_util::{DATADIR, elect, greeting, run};
+use crate::test_util::{DATADIR, greeting, run, vote};
 use crate::timeline::Timeline;
 use crate::wal_backup::{Backup, RemoteStorage};
 
@@ -48,17 +56,34 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
-/// The proposer's side of one incarnation of the timeline.
+/// The proposer (a primary whose own WAL is every byte it generated): its term, the history
+/// it was elected with, and what a quorum acknowledged.
 struct Proposer {
     term: u64,
+    history: Vec<(u64, Lsn)>,
     walgen: WalGenerator,
-    /// Every WAL byte sent from [`START`] on.
+    /// Every WAL byte generated from [`START`] on (the primary's WAL).
     sent: Vec<u8>,
-    /// Acknowledged (durable) end of WAL.
-    acked: Lsn,
+    /// Acknowledged by a quorum in this or an earlier term.
+    committed: Lsn,
 }
 
-/// One live timeline and its manager.
+impl Proposer {
+    fn end(&self) -> Lsn {
+        Lsn(START.0 + self.sent.len() as u64)
+    }
+
+    fn term_history(&self) -> TermHistory {
+        TermHistory(
+            self.history
+                .iter()
+                .map(|&(t, lsn)| TermLsn { term: Term(t), lsn })
+                .collect(),
+        )
+    }
+}
+
+/// One live timeline on a node and its manager.
 struct Live {
     tl: Arc<Timeline>,
     core: ManagerCore,
@@ -67,30 +92,44 @@ struct Live {
     holds: Vec<(Lsn, ReadHold)>,
 }
 
+/// One safekeeper.
+struct Node {
+    id: u64,
+    sim: Arc<SimFs>,
+    fs: Fs,
+    /// `None` only while the process is down (within a crash step).
+    timelines: Option<GlobalTimelines>,
+    /// `None` while the timeline is deleted (or not pulled).
+    live: Option<Live>,
+    /// The end of WAL this node acknowledged to the proposer (durable there).
+    acked: Lsn,
+    /// The term the proposer last elected this node in (0: never, or since its restart).
+    elected: u64,
+}
+
+impl Node {
+    fn tls(&self) -> &GlobalTimelines {
+        self.timelines.as_ref().expect("the node is up")
+    }
+}
+
 struct Sim {
     seed: u64,
     rng: StdRng,
-    sim: Arc<SimFs>,
-    fs: Fs,
     rt: tokio::runtime::Runtime,
     backup: Backup,
-    /// `None` only while the process is down.
-    timelines: Option<GlobalTimelines>,
+    nodes: Vec<Node>,
     ttid: TenantTimelineId,
-    /// `None` while the timeline is deleted.
-    live: Option<Live>,
     proposer: Proposer,
     store_down: bool,
     now: Duration,
-    crashes: u64,
-    pulls: PullCounts,
+    stats: Stats,
     trace: bool,
     log: Vec<String>,
 }
 
 impl Sim {
-    fn new(seed: u64) -> Sim {
-        let (sim, fs) = SimFs::with_dir(Path::new(DATADIR));
+    fn new(seed: u64, n: usize) -> Sim {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -99,30 +138,39 @@ impl Sim {
             Arc::new(object_store::memory::InMemory::new()),
             "memory://sim",
         );
-        let backup = Backup::new(store, 2);
-        let timelines = load(&fs);
-        timelines.set_remote_storage(true);
-        let ttid = greeting(7, SEG).ttid();
+        let nodes = (1..=n as u64)
+            .map(|id| {
+                let (sim, fs) = SimFs::with_dir(Path::new(DATADIR));
+                let timelines = load(&fs, id);
+                timelines.set_remote_storage(true);
+                Node {
+                    id,
+                    sim,
+                    fs,
+                    timelines: Some(timelines),
+                    live: None,
+                    acked: START,
+                    elected: 0,
+                }
+            })
+            .collect();
         let mut s = Sim {
             seed,
             rng: StdRng::seed_from_u64(seed),
-            sim,
-            fs,
             rt,
-            backup,
-            timelines: Some(timelines),
-            ttid,
-            live: None,
+            backup: Backup::new(store, 2),
+            nodes,
+            ttid: greeting(7, SEG).ttid(),
             proposer: Proposer {
                 term: 0,
+                history: Vec::new(),
                 walgen: WalGenerator::new(42, SEG, START).unwrap(),
                 sent: Vec::new(),
-                acked: START,
+                committed: START,
             },
             store_down: false,
             now: Duration::ZERO,
-            crashes: 0,
-            pulls: PullCounts::default(),
+            stats: Stats::default(),
             trace: std::env::var("MANAGER_SIM_TRACE").is_ok(),
             log: Vec::new(),
         };
@@ -130,8 +178,8 @@ impl Sim {
         s
     }
 
-    fn tls(&self) -> &GlobalTimelines {
-        self.timelines.as_ref().expect("the node is up")
+    fn quorum(&self) -> usize {
+        self.nodes.len() / 2 + 1
     }
 
     fn note(&mut self, what: String) {
@@ -141,39 +189,46 @@ impl Sim {
         self.log.push(what);
     }
 
-    /// Creates the timeline (explicitly, as an operator does) and elects term 1 at [`START`].
+    /// Creates the timeline on every node (explicitly, as an operator does) and elects term 1
+    /// at [`START`] on all of them.
     fn create(&mut self) {
         let g = greeting(7, SEG);
-        let tl = crate::blocking::section(|| {
-            self.tls().create_explicit(&CreateTimeline {
-                ttid: self.ttid,
-                server: ServerInfo {
-                    pg_version: g.pg_version,
-                    system_id: g.system_id,
-                    wal_seg_size: g.wal_seg_size,
-                },
-                start_lsn: START,
-                mconf: Configuration::default(),
-            })
-        })
-        .expect("the timeline is created");
-        run(&tl, ProposerAcceptorMessage::Greeting(g));
-        elect(&tl, 1, &[(1, START)]);
         self.proposer = Proposer {
             term: 1,
+            history: vec![(1, START)],
             walgen: WalGenerator::new(42, SEG, START).unwrap(),
             sent: Vec::new(),
-            acked: START,
+            committed: START,
         };
-        self.attach(tl);
+        for i in 0..self.nodes.len() {
+            let tl = crate::blocking::section(|| {
+                self.nodes[i].tls().create_explicit(&CreateTimeline {
+                    ttid: self.ttid,
+                    server: ServerInfo {
+                        pg_version: g.pg_version,
+                        system_id: g.system_id,
+                        wal_seg_size: g.wal_seg_size,
+                    },
+                    start_lsn: START,
+                    mconf: Configuration::default(),
+                })
+            })
+            .expect("the timeline is created");
+            self.nodes[i].acked = START;
+            self.attach(i, tl);
+            assert!(vote(&self.nodes[i].live.as_ref().unwrap().tl, 1).vote_given);
+            self.elect_on(i);
+        }
     }
 
-    /// Starts a manager for `tl`, as the supervisor does.
-    fn attach(&mut self, tl: Arc<Timeline>) {
+    /// Starts a manager for `tl` on node `i`, as the supervisor does.
+    fn attach(&mut self, i: usize, tl: Arc<Timeline>) {
         tl.set_remote(self.backup.storage.clone());
         let mut core = ManagerCore::new(cfg(), observe(&tl), tl.removed_below());
         let pending = core.step(Event::Tick(self.now));
-        self.live = Some(Live {
+        let node = &mut self.nodes[i];
+        node.elected = 0;
+        node.live = Some(Live {
             tl,
             core,
             pending,
@@ -181,20 +236,94 @@ impl Sim {
         });
     }
 
-    /// Feeds `event` and then what the timeline looks like now.
-    fn feed(&mut self, event: Event) {
-        let Some(live) = self.live.as_mut() else {
+    /// Sends node `i` the proposer's `ProposerElected` for its term, streaming from the highest
+    /// point the node's WAL has in common with the proposer's history (as a real proposer
+    /// computes it from the node's vote response).
+    fn elect_on(&mut self, i: usize) {
+        let Some(live) = &self.nodes[i].live else {
+            return;
+        };
+        let tl = live.tl.clone();
+        let st = tl.status();
+        let history = self.proposer.term_history();
+        let start =
+            TermHistory::find_highest_common_point(&history, &st.term_history, st.flush_lsn)
+                .expect("the histories are consistent")
+                .map_or(self.proposer.history[0].1, |p| p.lsn);
+        run(&tl, ProposerAcceptorMessage::Greeting(greeting(7, SEG)));
+        run(
+            &tl,
+            ProposerAcceptorMessage::Elected(ProposerElected {
+                generation: Generation(0),
+                term: Term(self.proposer.term),
+                start_streaming_at: start,
+                term_history: history,
+            }),
+        );
+        let node = &mut self.nodes[i];
+        // What the node held above `start` is truncated: it was not this history's WAL (a
+        // lost committed byte would show in `check_content`, which counts copies).
+        node.acked = node.acked.min(start);
+        node.elected = self.proposer.term;
+    }
+
+    /// A new term: the proposer asks a random quorum of the nodes for votes, takes the most
+    /// advanced voter's WAL as the term's start, and is elected on its voters.
+    fn new_term(&mut self) {
+        let candidates: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].live.is_some())
+            .collect();
+        if candidates.len() < self.quorum() {
+            return;
+        }
+        let mut voters = candidates;
+        while voters.len() > self.quorum() && self.rng.random_bool(0.5) {
+            let k = self.rng.random_range(0..voters.len());
+            voters.swap_remove(k);
+        }
+        let term = self.proposer.term + 1;
+        let mut best: Option<(Term, Lsn, TermHistory)> = None;
+        for &i in &voters {
+            let v = vote(&self.nodes[i].live.as_ref().unwrap().tl, term);
+            assert!(v.vote_given, "seed {}: no vote in term {term}", self.seed);
+            let key = (v.term_history.last_log_term(), v.flush_lsn);
+            if best.as_ref().is_none_or(|b| key > (b.0, b.1)) {
+                best = Some((key.0, key.1, v.term_history));
+            }
+        }
+        let (_, flush, history) = best.expect("a quorum voted");
+        // Every committed byte is on some voter (any two quorums intersect).
+        assert!(
+            flush >= self.proposer.committed,
+            "seed {}: term {term}'s voters end at {flush}, below the committed {}\n{}",
+            self.seed,
+            self.proposer.committed,
+            self.replay_hint()
+        );
+        self.proposer.term = term;
+        self.proposer.history = history.0.iter().map(|e| (e.term.0, e.lsn)).collect();
+        self.proposer.history.push((term, flush));
+        self.note(format!("term {term} elected at {flush} by {voters:?}"));
+        for &i in &voters {
+            self.elect_on(i);
+        }
+        self.stats.terms += 1;
+    }
+
+    /// Feeds node `i`'s manager `event` and then what the timeline looks like now.
+    fn feed(&mut self, i: usize, event: Event) {
+        let (seed, now) = (self.seed, self.now);
+        let Some(live) = self.nodes[i].live.as_mut() else {
             return;
         };
         let mut out = live.core.step(event);
         out.extend(live.core.step(Event::Observed(observe(&live.tl))));
-        out.extend(live.core.step(Event::Tick(self.now)));
+        out.extend(live.core.step(Event::Tick(now)));
         for a in out {
             match a {
                 Action::Missing { segno } => panic!(
-                    "seed {}: segment {segno} reported missing: nothing in this schedule removes \
-                     a segment that is not stored",
-                    self.seed
+                    "seed {seed}: segment {segno} reported missing: nothing in this schedule \
+                     removes a segment that is not stored"
                 ),
                 Action::Finished => {}
                 a => live.pending.push(a),
@@ -202,19 +331,61 @@ impl Sim {
         }
     }
 
-    /// The proposer appends a chunk of WAL and commits what it had sent before, with the
-    /// peers' horizon at the commit.
+    /// The primary generates a chunk of WAL; the proposer streams what each node it reaches
+    /// lacks and commits what a quorum of this term's nodes acknowledged.
     fn append(&mut self) {
-        let Some(live) = &self.live else { return };
-        let tl = live.tl.clone();
+        if self.nodes.iter().all(|n| n.live.is_none()) {
+            return;
+        }
         let size = self.rng.random_range(20_000..500_000);
         let mut wal = Vec::new();
-        let begin = self.proposer.walgen.lsn();
         self.proposer.walgen.fill(&mut wal, size, &[5; 700]);
-        let end = self.proposer.walgen.lsn();
-        let commit = self.proposer.acked;
-        for (i, piece) in wal.chunks(sk_core::protocol::MAX_SEND_SIZE).enumerate() {
-            let b = Lsn(begin.0 + (i * sk_core::protocol::MAX_SEND_SIZE) as u64);
+        self.proposer.sent.extend_from_slice(&wal);
+        let mut reached = Vec::new();
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].live.is_some() && self.rng.random_bool(0.8) {
+                self.stream_to(i);
+                reached.push(i + 1);
+            }
+        }
+        let mut acks: Vec<Lsn> = self
+            .nodes
+            .iter()
+            .filter(|n| n.elected == self.proposer.term)
+            .map(|n| n.acked)
+            .collect();
+        acks.sort_unstable_by(|a, b| b.cmp(a));
+        if let Some(&q) = acks.get(self.quorum() - 1) {
+            self.proposer.committed = self.proposer.committed.max(q);
+        }
+        self.note(format!(
+            "append ..{} to nodes {reached:?}, committed {}",
+            self.proposer.end(),
+            self.proposer.committed
+        ));
+    }
+
+    /// The proposer brings node `i` to the end of its WAL (electing it in this term first if
+    /// need be), with the commit LSN and the peers' horizon it knows.
+    fn stream_to(&mut self, i: usize) {
+        if self.nodes[i].elected != self.proposer.term {
+            self.elect_on(i);
+        }
+        let end = self.proposer.end();
+        // The peers' horizon: what every node has (the proposer's truncate LSN).
+        let horizon = self
+            .nodes
+            .iter()
+            .map(|n| n.acked)
+            .min()
+            .unwrap()
+            .min(self.proposer.committed);
+        let commit = self.proposer.committed;
+        let tl = self.nodes[i].live.as_ref().unwrap().tl.clone();
+        let from = tl.positions().flush_lsn;
+        let bytes = &self.proposer.sent[(from.0 - START.0) as usize..];
+        for (k, piece) in bytes.chunks(sk_core::protocol::MAX_SEND_SIZE).enumerate() {
+            let b = Lsn(from.0 + (k * sk_core::protocol::MAX_SEND_SIZE) as u64);
             run(
                 &tl,
                 ProposerAcceptorMessage::AppendRequest(AppendRequest {
@@ -224,29 +395,29 @@ impl Sim {
                         begin_lsn: b,
                         end_lsn: Lsn(b.0 + piece.len() as u64),
                         commit_lsn: commit,
-                        truncate_lsn: commit,
+                        truncate_lsn: horizon,
                     },
                     wal_data: Bytes::copy_from_slice(piece),
                 }),
             );
         }
         assert_eq!(tl.positions().flush_lsn, end, "seed {}: flushed", self.seed);
-        self.proposer.sent.extend_from_slice(&wal);
-        self.proposer.acked = end;
-        self.note(format!("append {begin}..{end}, commit {commit}"));
-        self.feed(Event::Observed(observe(&tl)));
+        self.nodes[i].acked = end;
+        self.feed(i, Event::Observed(observe(&tl)));
     }
 
-    /// Performs one action in flight, chosen at random (they finish in any order).
+    /// Performs one action in flight of a random node, chosen at random (they finish in any
+    /// order).
     fn perform(&mut self) {
-        let Some(live) = self.live.as_mut() else {
+        let i = self.rng.random_range(0..self.nodes.len());
+        let Some(live) = self.nodes[i].live.as_mut() else {
             return;
         };
         if live.pending.is_empty() {
             return;
         }
-        let i = self.rng.random_range(0..live.pending.len());
-        let action = live.pending.swap_remove(i);
+        let k = self.rng.random_range(0..live.pending.len());
+        let action = live.pending.swap_remove(k);
         let tl = live.tl.clone();
         let event = match action.clone() {
             Action::List => Event::Listed(if self.store_down {
@@ -287,97 +458,101 @@ impl Sim {
             }
             a => panic!("seed {}: {a:?} is not performed by the driver", self.seed),
         };
-        self.note(format!("perform {action:?} -> {event:?}"));
+        self.note(format!("node {}: {action:?} -> {event:?}", i + 1));
         let removed = matches!(action, Action::Remove { .. });
         drop(tl);
-        self.feed(event);
+        self.feed(i, event);
         // The moment the review found (issue 26): a kill right after a removal.
         if removed && self.rng.random_bool(0.3) {
-            self.crash();
+            self.crash(i);
         }
     }
 
-    /// The process dies (or the machine loses power), and the node starts again.
-    fn crash(&mut self) {
-        let pending_before = self.tls().pending_remote_deletions();
-        // The process is gone: no thread of it (a segment preparation) touches the disk after.
-        self.live = None;
-        self.timelines = None;
+    /// Node `i`'s process dies (or its machine loses power), and it starts again.
+    fn crash(&mut self, i: usize) {
+        let pending_before = self.nodes[i].tls().pending_remote_deletions();
         let power = self.rng.random_bool(0.5);
-        if power {
-            let mut rng = StdRng::seed_from_u64(self.rng.random());
-            self.sim.power_loss(&mut |n| rng.random_range(0..=n));
-        } else {
-            self.sim.process_crash();
+        let loss_seed: u64 = self.rng.random();
+        {
+            let node = &mut self.nodes[i];
+            // The process is gone: no thread of it (a segment preparation) touches the disk.
+            node.live = None;
+            node.timelines = None;
+            if power {
+                let mut rng = StdRng::seed_from_u64(loss_seed);
+                node.sim.power_loss(&mut |n| rng.random_range(0..=n));
+            } else {
+                node.sim.process_crash();
+            }
         }
-        self.note(format!("crash (power loss: {power})"));
-        self.crashes += 1;
-        let timelines = self.restart(&self.fs, "the node");
-        self.timelines = Some(timelines);
+        self.note(format!("node {} crashes (power loss: {power})", i + 1));
+        self.stats.crashes += 1;
+        let timelines = self.restart(&self.nodes[i].fs, self.nodes[i].id, "a node");
+        self.nodes[i].timelines = Some(timelines);
         assert_eq!(
-            self.tls().pending_remote_deletions(),
+            self.nodes[i].tls().pending_remote_deletions(),
             pending_before,
             "seed {}: a pending remote deletion survives a restart",
             self.seed
         );
-        if let Some(tl) = self.tls().get(&self.ttid) {
-            // A new term, as the proposer would after the restart.
+        if let Some(tl) = self.nodes[i].tls().get(&self.ttid) {
             let flush = tl.positions().flush_lsn;
             assert!(
-                flush >= self.proposer.acked,
-                "seed {}: acknowledged WAL lost: flush {flush} < acked {}",
+                flush >= self.nodes[i].acked,
+                "seed {}: node {} lost WAL it acknowledged: flush {flush} < acked {}\n{}",
                 self.seed,
-                self.proposer.acked
+                i + 1,
+                self.nodes[i].acked,
+                self.replay_hint()
             );
-            self.reelect(&tl);
-            self.attach(tl);
+            self.attach(i, tl);
             // Where a loss would show: right after the restart.
             self.check_content();
+            // Sometimes the proposer restarted too: a new term.
+            if self.rng.random_bool(0.3) {
+                self.new_term();
+            }
         }
     }
 
-    /// Starts the node on `fs` again after a crash (`who`: which node, for the failure), with
+    /// Starts node `id` on `fs` again after a crash (`who`: which node, for the failure), with
     /// remote storage on; a node that does not start fails the seed.
-    fn restart(&self, fs: &Fs, who: &str) -> GlobalTimelines {
-        match GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false) {
+    fn restart(&self, fs: &Fs, id: u64, who: &str) -> GlobalTimelines {
+        match GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(id), false) {
             Ok(t) => {
                 t.set_remote_storage(true);
                 t
             }
             Err(e) => panic!(
-                "seed {}: {who} does not start after a crash: {e}\n{}",
+                "seed {}: {who} (id {id}) does not start after a crash: {e}\n{}",
                 self.seed,
                 self.replay_hint()
             ),
         }
     }
 
-    /// A new proposer is elected in the next term at the end of `tl`'s WAL.
-    fn reelect(&mut self, tl: &Timeline) {
-        let flush = tl.positions().flush_lsn;
-        self.proposer.term += 1;
-        let mut history: Vec<(u64, Lsn)> = tl
-            .status()
-            .term_history
-            .0
-            .iter()
-            .map(|e| (e.term.0, e.lsn))
-            .collect();
-        history.push((self.proposer.term, flush));
-        run(tl, ProposerAcceptorMessage::Greeting(greeting(7, SEG)));
-        elect(tl, self.proposer.term, &history);
-        self.note(format!("term {} elected at {flush}", self.proposer.term));
-    }
-
-    /// A new node pulls the timeline (issue 26): the snapshot is produced frame by frame while
-    /// the donor goes on (appends, its manager's actions, a new term), and the puller, on a
-    /// disk of its own and with the same store, may lose power at any point of the pull. The
-    /// pull yields a verified copy of every acknowledged byte below the snapshot's end (the
-    /// WAL below its start served from the store), or a clear refusal; a crashed puller
-    /// restarts with the whole copy or none of it.
+    /// Node `target` is replaced (issue 26): a new node with the same id, on a disk of its
+    /// own, pulls the timeline from the most advanced node while the donor goes on (appends,
+    /// its manager's actions, a new term), and may lose power at any point of the pull. The
+    /// pull yields a verified copy of the donor's WAL below the snapshot's end (the WAL below
+    /// its start served from the store), or a clear refusal. An installed copy replaces the
+    /// node; a refused one leaves the old node in place.
     fn pull(&mut self) {
-        let Some(live) = &self.live else { return };
-        let tl = live.tl.clone();
+        let Some(donor) = (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].live.is_some())
+            .max_by_key(|&i| {
+                let p = self.nodes[i].live.as_ref().unwrap().tl.positions();
+                (p.last_log_term, p.flush_lsn)
+            })
+        else {
+            return;
+        };
+        let target = if self.nodes.len() == 1 {
+            None
+        } else {
+            Some((donor + self.rng.random_range(1..self.nodes.len())) % self.nodes.len())
+        };
+        let tl = self.nodes[donor].live.as_ref().unwrap().tl.clone();
         // What the puller's status request saw.
         let best = (tl.status().last_log_term, tl.positions().flush_lsn);
         let mut snap = match crate::pull::Snapshot::begin(tl.clone(), true) {
@@ -396,14 +571,18 @@ impl Sim {
                     break;
                 }
             }
-            // The donor goes on meanwhile.
+            // The cluster goes on meanwhile.
             match self.rng.random_range(0..12) {
                 0..3 => self.append(),
                 3..7 => self.perform(),
-                7 => self.reelect(&tl),
+                7 => self.new_term(),
                 _ => {}
             }
-            if !self.live.as_ref().is_some_and(|l| Arc::ptr_eq(&l.tl, &tl)) {
+            if !self.nodes[donor]
+                .live
+                .as_ref()
+                .is_some_and(|l| Arc::ptr_eq(&l.tl, &tl))
+            {
                 // The donor crashed (right after a removal): its stream ends here, whole if
                 // its END frame was sent.
                 if !snap.ended() {
@@ -414,11 +593,13 @@ impl Sim {
         }
         drop(snap);
         self.note(format!(
-            "snapshot [{start}, {flush}) of {} bytes, aborted: {aborted:?}",
+            "node {} snapshots [{start}, {flush}) in {} bytes for {target:?}, aborted: {aborted:?}",
+            donor + 1,
             bytes.len()
         ));
+        let id = target.map_or(100, |t| self.nodes[t].id);
         let (psim, pfs) = SimFs::with_dir(Path::new(DATADIR));
-        let puller = load(&pfs);
+        let puller = load(&pfs, id);
         puller.set_remote_storage(true);
         let (tmp, guard) = crate::blocking::section(|| puller.begin_pull(&self.ttid))
             .expect("the first pull on a new node begins");
@@ -433,11 +614,11 @@ impl Sim {
         drop(guard);
         let crashed = crash && psim.crash_point_reached();
         if r.is_ok() {
-            self.pulls.installed += 1;
+            self.stats.pulls.installed += 1;
         } else {
-            self.pulls.refused += 1;
+            self.stats.pulls.refused += 1;
         }
-        self.pulls.puller_crashes += u64::from(crashed);
+        self.stats.pulls.puller_crashes += u64::from(crashed);
         self.note(format!(
             "pull -> {:?}, puller crashed: {crashed}",
             r.as_ref().map(|p| p.flush_lsn).map_err(|e| e.to_string())
@@ -447,7 +628,7 @@ impl Sim {
             drop(puller);
             let mut rng = StdRng::seed_from_u64(self.rng.random());
             psim.power_loss(&mut |n| rng.random_range(0..=n));
-            self.restart(&pfs, "the puller")
+            self.restart(&pfs, id, "the puller")
         } else {
             psim.disarm();
             puller
@@ -485,92 +666,124 @@ impl Sim {
             "seed {}: the pulled timeline ends elsewhere than its snapshot",
             self.seed
         );
-        self.check_content_of(&pulled, &pfs, flush);
-    }
-
-    /// The operator deletes the timeline: the manager stops, its work in flight is dropped.
-    fn delete(&mut self) {
-        let Some(mut live) = self.live.take() else {
-            return;
-        };
-        live.holds.clear();
-        crate::blocking::section(|| {
-            self.tls()
-                .delete_timeline(&self.ttid, crate::manager::DeleteScope::Everywhere)
-        })
-        .expect("deleting the timeline");
-        assert_eq!(live.core.step(Event::Deleted), vec![Action::Stop]);
-        assert_eq!(live.core.step(Event::Stopped), vec![Action::Finished]);
-        self.note("delete".into());
-        assert!(
-            !self.tls().pending_remote_deletions().is_empty(),
-            "seed {}: a delete with remote storage leaves its objects to delete",
-            self.seed
-        );
-    }
-
-    /// The node deletes the remote objects of a deletion (as the supervisor does), or
-    /// creates the timeline again once they are gone.
-    fn after_delete(&mut self) {
-        let pending = self.tls().pending_remote_deletions();
-        if let Some(d) = pending.first() {
-            // Creating it again is refused meanwhile.
-            let refused = crate::blocking::section(|| {
-                self.tls().create_explicit(&CreateTimeline {
-                    ttid: self.ttid,
-                    server: ServerInfo {
-                        pg_version: 150000,
-                        system_id: 42,
-                        wal_seg_size: SEG as u32,
-                    },
-                    start_lsn: START,
-                    mconf: Configuration::default(),
-                })
-            });
-            assert!(
-                matches!(
-                    refused,
-                    Err(crate::timeline::TimelineError::BeingDeleted(_))
-                ),
-                "seed {}: created while its remote deletion was pending: {:?}",
-                self.seed,
-                refused.map(|_| ())
-            );
-            if self.store_down {
-                return;
-            }
-            self.rt
-                .block_on(
-                    self.backup
-                        .storage
-                        .delete_objects(&d.tenant_id, d.timeline_id.as_ref()),
-                )
-                .expect("deleting objects");
-            crate::blocking::section(|| self.tls().remote_deletion_done(&d.name))
-                .expect("recording the remote deletion");
-            self.note("remote objects deleted".into());
+        self.check_wal_of(&pulled, &pfs, flush, "the pulled timeline");
+        // The new node takes the old one's place (a membership switch keeps the count) once it
+        // has caught up; what the old one held is gone with it.
+        let Some(t) = target else { return };
+        if self.nodes[t].live.is_none() {
+            // Deleted meanwhile on the cluster: the pulled copy is not installed.
             return;
         }
-        self.create();
-        self.note("created again".into());
-        let listed = self
-            .rt
-            .block_on(self.backup.storage.list_segments(&self.ttid, SEG))
-            .unwrap();
+        self.nodes[t] = Node {
+            id,
+            sim: psim,
+            fs: pfs,
+            timelines: Some(puller),
+            live: None,
+            acked: START,
+            elected: 0,
+        };
+        self.attach(t, pulled);
+        // The membership switches once the new node has caught up with the proposer.
+        self.stream_to(t);
+        self.stats.replacements += 1;
+        self.note(format!("node {} replaced by the pulled copy", t + 1));
+        self.check_content();
+    }
+
+    /// The operator deletes the timeline on every node: each manager stops, its work in
+    /// flight is dropped.
+    fn delete(&mut self) {
+        if self.nodes.iter().any(|n| n.live.is_none()) {
+            return;
+        }
+        for i in 0..self.nodes.len() {
+            let mut live = self.nodes[i].live.take().unwrap();
+            live.holds.clear();
+            crate::blocking::section(|| {
+                self.nodes[i]
+                    .tls()
+                    .delete_timeline(&self.ttid, crate::manager::DeleteScope::Everywhere)
+            })
+            .expect("deleting the timeline");
+            assert_eq!(live.core.step(Event::Deleted), vec![Action::Stop]);
+            assert_eq!(live.core.step(Event::Stopped), vec![Action::Finished]);
+            assert!(
+                !self.nodes[i].tls().pending_remote_deletions().is_empty(),
+                "seed {}: a delete with remote storage leaves its objects to delete",
+                self.seed
+            );
+        }
+        self.note("delete on every node".into());
+    }
+
+    /// A node deletes the remote objects of its deletion (as the supervisor does), or, once
+    /// no node has any left, the timeline is created again.
+    fn after_delete(&mut self) {
+        let pending: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| !self.nodes[i].tls().pending_remote_deletions().is_empty())
+            .collect();
+        if pending.is_empty() {
+            self.create();
+            self.note("created again".into());
+            let listed = self
+                .rt
+                .block_on(self.backup.storage.list_segments(&self.ttid, SEG))
+                .unwrap();
+            assert!(
+                listed.is_empty(),
+                "seed {}: the recreated timeline sees the old one's objects: {listed:?}",
+                self.seed
+            );
+            return;
+        }
+        let i = pending[self.rng.random_range(0..pending.len())];
+        let d = self.nodes[i].tls().pending_remote_deletions()[0].clone();
+        // Creating it again there is refused meanwhile.
+        let refused = crate::blocking::section(|| {
+            self.nodes[i].tls().create_explicit(&CreateTimeline {
+                ttid: self.ttid,
+                server: ServerInfo {
+                    pg_version: 150000,
+                    system_id: 42,
+                    wal_seg_size: SEG as u32,
+                },
+                start_lsn: START,
+                mconf: Configuration::default(),
+            })
+        });
         assert!(
-            listed.is_empty(),
-            "seed {}: the recreated timeline sees the old one's objects: {listed:?}",
-            self.seed
+            matches!(
+                refused,
+                Err(crate::timeline::TimelineError::BeingDeleted(_))
+            ),
+            "seed {}: created while its remote deletion was pending: {:?}",
+            self.seed,
+            refused.map(|_| ())
         );
+        if self.store_down {
+            return;
+        }
+        self.rt
+            .block_on(
+                self.backup
+                    .storage
+                    .delete_objects(&d.tenant_id, d.timeline_id.as_ref()),
+            )
+            .expect("deleting objects");
+        crate::blocking::section(|| self.nodes[i].tls().remote_deletion_done(&d.name))
+            .expect("recording the remote deletion");
+        self.note(format!("node {}: remote objects deleted", i + 1));
     }
 
     fn hold_or_release(&mut self) {
-        let Some(live) = self.live.as_mut() else {
+        let i = self.rng.random_range(0..self.nodes.len());
+        let Some(live) = self.nodes[i].live.as_mut() else {
             return;
         };
         if !live.holds.is_empty() && self.rng.random_bool(0.5) {
-            let i = self.rng.random_range(0..live.holds.len());
-            live.holds.swap_remove(i);
+            let k = self.rng.random_range(0..live.holds.len());
+            live.holds.swap_remove(k);
             return;
         }
         let flush = live.tl.positions().flush_lsn;
@@ -581,12 +794,15 @@ impl Sim {
     }
 
     fn step(&mut self) {
+        let deleted = self.nodes.iter().all(|n| n.live.is_none());
         match self.rng.random_range(0..100) {
             0..30 => self.append(),
             30..70 => self.perform(),
             70..78 => {
                 self.now += Duration::from_millis(self.rng.random_range(20..2500));
-                self.feed(Event::Tick(self.now));
+                for i in 0..self.nodes.len() {
+                    self.feed(i, Event::Tick(self.now));
+                }
             }
             78..84 => self.hold_or_release(),
             84..88 => {
@@ -594,10 +810,14 @@ impl Sim {
                 let down = self.store_down;
                 self.note(format!("store down: {down}"));
             }
-            88..92 => self.crash(),
-            92..94 if self.live.is_some() && self.rng.random_bool(0.3) => self.delete(),
-            94 if self.live.is_some() => self.pull(),
-            _ if self.live.is_none() => self.after_delete(),
+            88..92 => {
+                let i = self.rng.random_range(0..self.nodes.len());
+                self.crash(i);
+            }
+            92..94 if !deleted && self.rng.random_bool(0.3) => self.delete(),
+            94 if !deleted => self.pull(),
+            95 if !deleted => self.new_term(),
+            _ if deleted => self.after_delete(),
             _ => self.perform(),
         }
         if std::env::var("MANAGER_SIM_NO_CHECK").is_err() {
@@ -605,62 +825,98 @@ impl Sim {
         }
     }
 
-    /// The invariants (module docs).
+    /// The removal invariants (module docs), on every node.
     fn check(&mut self) {
-        let Some(live) = &self.live else { return };
-        let tl = &live.tl;
-        let first_local = crate::wal_store::first_local_segment(&self.fs, &tl.dir, SEG)
-            .unwrap()
-            .unwrap_or(u64::MAX);
-        let start_seg = START.segment_number(SEG);
-        if first_local > start_seg && first_local != u64::MAX {
-            let (_, persisted) = tl.lsns();
-            let needed = [
-                ("persisted commit LSN", persisted.commit_lsn),
-                ("persisted backup LSN", persisted.backup_lsn),
-                (
-                    "persisted peers' horizon (less a page)",
-                    Lsn(persisted.peer_horizon_lsn.0.saturating_sub(8192)),
-                ),
-            ];
-            for (what, lsn) in needed {
+        for node in &self.nodes {
+            let Some(live) = &node.live else { continue };
+            let tl = &live.tl;
+            let first_local = crate::wal_store::first_local_segment(&node.fs, &tl.dir, SEG)
+                .unwrap()
+                .unwrap_or(u64::MAX);
+            let start_seg = tl.status().local_start_lsn.segment_number(SEG);
+            if first_local > start_seg && first_local != u64::MAX {
+                let (_, persisted) = tl.lsns();
+                let needed = [
+                    ("persisted commit LSN", persisted.commit_lsn),
+                    ("persisted backup LSN", persisted.backup_lsn),
+                    (
+                        "persisted peers' horizon (less a page)",
+                        Lsn(persisted.peer_horizon_lsn.0.saturating_sub(8192)),
+                    ),
+                ];
+                for (what, lsn) in needed {
+                    assert!(
+                        first_local <= lsn.segment_number(SEG),
+                        "seed {}: node {} removed segments below {first_local}, but the {what} \
+                         {lsn} needs segment {}\n{}",
+                        self.seed,
+                        node.id,
+                        lsn.segment_number(SEG),
+                        self.replay_hint()
+                    );
+                }
+            }
+            for (lsn, _) in &live.holds {
                 assert!(
-                    first_local <= lsn.segment_number(SEG),
-                    "seed {}: segments below {first_local} removed, but the {what} {lsn} needs \
-                     segment {}\n{}",
+                    lsn.segment_number(SEG) >= first_local.min(tl.removed_below()),
+                    "seed {}: a reader of node {} holds {lsn} but segments below \
+                     {first_local} are gone",
                     self.seed,
-                    lsn.segment_number(SEG),
-                    self.replay_hint()
+                    node.id
                 );
             }
         }
-        for (lsn, _) in &live.holds {
+    }
+
+    /// Every node's WAL is the proposer's below its flush LSN, and every committed byte is in
+    /// the store or on a quorum of nodes.
+    fn check_content(&mut self) {
+        if self.nodes.iter().all(|n| n.live.is_none()) {
+            return;
+        }
+        let mut holders = Vec::new();
+        for node in &self.nodes {
+            let Some(live) = &node.live else { continue };
+            let flush = live.tl.positions().flush_lsn;
+            let local = self.check_wal_of(&live.tl, &node.fs, flush, "a node's WAL");
+            holders.push((node.id, flush, local));
+        }
+        let committed = self.proposer.committed;
+        let mut segno = START.segment_number(SEG);
+        while Lsn(segno * SEG) < committed {
+            let to = Lsn(((segno + 1) * SEG).min(committed.0));
+            let local = holders
+                .iter()
+                .filter(|(_, flush, local)| *flush >= to && local.contains(&segno))
+                .count();
+            let stored = self
+                .rt
+                .block_on(self.backup.storage.read_segment(&self.ttid, segno, SEG))
+                .unwrap()
+                .is_some();
             assert!(
-                lsn.segment_number(SEG) >= first_local.min(tl.removed_below()),
-                "seed {}: a reader holds {lsn} but segments below {first_local} are gone",
-                self.seed
+                stored || local >= self.quorum(),
+                "seed {}: committed WAL in segment {segno} (below {committed}) is on {local} \
+                 nodes and not in the store\n{}",
+                self.seed,
+                self.replay_hint()
             );
+            segno += 1;
         }
     }
 
-    /// Every acknowledged byte is local or stored, identical to what was sent.
-    fn check_content(&mut self) {
-        let Some(live) = &self.live else { return };
-        let tl = live.tl.clone();
-        let (fs, acked) = (self.fs.clone(), self.proposer.acked);
-        self.check_content_of(&tl, &fs, acked);
-    }
-
-    /// `tl`'s WAL below `acked` (on `fs`, or in the store where `fs` has no segment) is the
-    /// WAL the proposer sent.
-    fn check_content_of(&self, tl: &Timeline, fs: &Fs, acked: Lsn) {
+    /// `tl`'s WAL below `end` (on `fs`, or in the store where `fs` has no segment; not below
+    /// the timeline's start on this node) is the proposer's. Returns the segments found
+    /// locally. `what` names the copy for a failure.
+    fn check_wal_of(&self, tl: &Timeline, fs: &Fs, end: Lsn, what: &str) -> Vec<u64> {
+        let mut local = Vec::new();
         let mut segno = START.segment_number(SEG);
-        while Lsn(segno * SEG) < acked {
+        while Lsn(segno * SEG) < end {
             let from = Lsn((segno * SEG).max(START.0));
-            let to = Lsn(((segno + 1) * SEG).min(acked.0));
+            let to = Lsn(((segno + 1) * SEG).min(end.0));
             let want = &self.proposer.sent[(from.0 - START.0) as usize..(to.0 - START.0) as usize];
-            let mut got = Vec::new();
-            if tl.has_segment_at(from) {
+            let got = if tl.has_segment_at(from) {
+                local.push(segno);
                 // The file as the disk holds it (WalReader's reads are tested on their own;
                 // a zero-filled read buffer is slow in unoptimized builds).
                 let names =
@@ -672,7 +928,7 @@ impl Sim {
                 let mut buf = vec![0u8; (to.0 - from.0) as usize];
                 sk_core::storage::fs::read_full_at(&*f, &mut buf, from.segment_offset(SEG))
                     .unwrap();
-                got = buf;
+                buf
             } else {
                 let stored = self
                     .rt
@@ -680,29 +936,30 @@ impl Sim {
                     .unwrap()
                     .unwrap_or_else(|| {
                         panic!(
-                            "seed {}: segment {segno} is neither local nor stored\n{}",
+                            "seed {}: {what}: segment {segno} is neither local nor stored\n{}",
                             self.seed,
                             self.replay_hint()
                         )
                     });
-                got.extend_from_slice(
-                    &stored[from.segment_offset(SEG) as usize..(to.0 - segno * SEG) as usize],
-                );
-            }
+                stored[from.segment_offset(SEG) as usize..(to.0 - segno * SEG) as usize].to_vec()
+            };
             assert!(
                 got == want,
-                "seed {}: WAL {from}..{to} differs from what was acknowledged\n{}",
+                "seed {}: {what}: WAL {from}..{to} differs from the proposer's\n{}",
                 self.seed,
                 self.replay_hint()
             );
             segno += 1;
         }
+        local
     }
 
     fn replay_hint(&self) -> String {
         format!(
-            "replay: MANAGER_SIM_SEED={} MANAGER_SIM_STEPS={} MANAGER_SIM_TRACE=1 cargo test -p \
-             safekeeper --lib manager_sim_replay_one_seed -- --ignored --nocapture\nlast steps: {:#?}",
+            "replay: MANAGER_SIM_NODES={} MANAGER_SIM_SEED={} MANAGER_SIM_STEPS={} \
+             MANAGER_SIM_TRACE=1 cargo test -p safekeeper --lib manager_sim_replay_one_seed -- \
+             --ignored --nocapture\nlast steps: {:#?}",
+            self.nodes.len(),
             self.seed,
             steps(),
             &self.log[self.log.len().saturating_sub(12)..]
@@ -720,69 +977,97 @@ struct PullCounts {
     puller_crashes: u64,
 }
 
-impl std::ops::AddAssign for PullCounts {
-    fn add_assign(&mut self, o: PullCounts) {
-        self.installed += o.installed;
-        self.refused += o.refused;
-        self.puller_crashes += o.puller_crashes;
+/// What a run did (a simulation that never removes proves nothing about removal).
+#[derive(Clone, Copy, Debug, Default)]
+struct Stats {
+    removed: u64,
+    crashes: u64,
+    terms: u64,
+    replacements: u64,
+    pulls: PullCounts,
+}
+
+impl std::ops::AddAssign for Stats {
+    fn add_assign(&mut self, o: Stats) {
+        self.removed += o.removed;
+        self.crashes += o.crashes;
+        self.terms += o.terms;
+        self.replacements += o.replacements;
+        self.pulls.installed += o.pulls.installed;
+        self.pulls.refused += o.pulls.refused;
+        self.pulls.puller_crashes += o.pulls.puller_crashes;
     }
 }
 
-fn load(fs: &Fs) -> GlobalTimelines {
-    GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(1), false).expect("loads")
+fn load(fs: &Fs, id: u64) -> GlobalTimelines {
+    GlobalTimelines::load_in(fs.clone(), Path::new(DATADIR), NodeId(id), false).expect("loads")
 }
 
 fn steps() -> u64 {
     env_u64("MANAGER_SIM_STEPS").unwrap_or(200)
 }
 
-/// Runs one seed; returns how many segments were removed, crashes survived, and what its
-/// pulls did.
-fn run_seed(seed: u64) -> (u64, u64, PullCounts) {
-    let mut s = Sim::new(seed);
-    let mut removed = 0;
-    for i in 0..steps() {
-        let before = s.live.as_ref().map(|l| l.tl.removed_below());
+/// Runs one seed on `n` nodes.
+fn run_seed(seed: u64, n: usize) -> Stats {
+    let mut s = Sim::new(seed, n);
+    for _ in 0..steps() {
+        let before: Vec<Option<u64>> = s
+            .nodes
+            .iter()
+            .map(|n| n.live.as_ref().map(|l| l.tl.removed_below()))
+            .collect();
         s.step();
-        if let (Some(b), Some(l)) = (before, &s.live) {
-            removed += l.tl.removed_below().saturating_sub(b);
+        for (b, node) in before.into_iter().zip(&s.nodes) {
+            if let (Some(b), Some(l)) = (b, &node.live) {
+                s.stats.removed += l.tl.removed_below().saturating_sub(b);
+            }
         }
-        let _ = i;
     }
     s.check_content();
-    (removed, s.crashes, s.pulls)
+    s.stats
+}
+
+/// Runs `MANAGER_SIM_SEEDS` seeds (or `default`) on `n` nodes and checks the schedule did
+/// exercise what it is for.
+fn run_seeds(n: usize, default: u64) {
+    let seeds = env_u64("MANAGER_SIM_SEEDS").unwrap_or(default);
+    let base = env_u64("MANAGER_SIM_BASE").unwrap_or(0);
+    let mut total = Stats::default();
+    for seed in base..base + seeds {
+        total += run_seed(seed, n);
+    }
+    eprintln!("{n} nodes, {seeds} seeds: {total:?}");
+    assert!(total.removed > seeds, "removal ran too rarely: {total:?}");
+    assert!(total.crashes > seeds, "crashes ran too rarely: {total:?}");
+    assert!(
+        total.pulls.installed > seeds / 2
+            && total.pulls.refused > 0
+            && total.pulls.puller_crashes > 0,
+        "pulls ran too rarely: {total:?}"
+    );
+    if n > 1 {
+        assert!(
+            total.terms > seeds && total.replacements > seeds / 4,
+            "elections or replacements ran too rarely: {total:?}"
+        );
+    }
 }
 
 #[test]
-fn manager_sim_seeds() {
-    let seeds = env_u64("MANAGER_SIM_SEEDS").unwrap_or(1000);
-    let base = env_u64("MANAGER_SIM_BASE").unwrap_or(0);
-    let (mut removed, mut crashes, mut pulls) = (0, 0, PullCounts::default());
-    for seed in base..base + seeds {
-        let (r, c, p) = run_seed(seed);
-        removed += r;
-        crashes += c;
-        pulls += p;
-    }
-    eprintln!(
-        "{seeds} seeds: {removed} segments removed, {crashes} crashes survived; pulls: {} \
-         installed, {} refused, {} puller power losses mid-pull",
-        pulls.installed, pulls.refused, pulls.puller_crashes
-    );
-    // The schedule does exercise removal and crashes (a simulation that never removes proves
-    // nothing about removal).
-    assert!(removed > seeds, "removal ran too rarely: {removed}");
-    assert!(crashes > seeds, "crashes ran too rarely: {crashes}");
-    assert!(
-        pulls.installed > seeds / 2 && pulls.refused > 0 && pulls.puller_crashes > 0,
-        "pulls ran too rarely: {pulls:?}"
-    );
+fn manager_sim_seeds_three_nodes() {
+    run_seeds(3, 300);
+}
+
+#[test]
+fn manager_sim_seeds_one_node() {
+    run_seeds(1, 300);
 }
 
 #[test]
 #[ignore = "replays MANAGER_SIM_SEED"]
 fn manager_sim_replay_one_seed() {
     let seed = env_u64("MANAGER_SIM_SEED").expect("set MANAGER_SIM_SEED=<seed>");
-    let (removed, crashes, pulls) = run_seed(seed);
-    eprintln!("seed {seed}: {removed} segments removed, {crashes} crashes, pulls {pulls:?}");
+    let n = env_u64("MANAGER_SIM_NODES").unwrap_or(3) as usize;
+    let stats = run_seed(seed, n);
+    eprintln!("seed {seed}, {n} nodes: {stats:?}");
 }
