@@ -122,6 +122,9 @@ struct Sim {
     ttid: TenantTimelineId,
     proposer: Proposer,
     store_down: bool,
+    /// A node the proposer cannot reach for a while (a partition): it lags by many segments,
+    /// and the peers' horizon with it.
+    cut_off: Option<usize>,
     now: Duration,
     stats: Stats,
     trace: bool,
@@ -169,6 +172,7 @@ impl Sim {
                 committed: START,
             },
             store_down: false,
+            cut_off: None,
             now: Duration::ZERO,
             stats: Stats::default(),
             trace: std::env::var("MANAGER_SIM_TRACE").is_ok(),
@@ -343,7 +347,8 @@ impl Sim {
         self.proposer.sent.extend_from_slice(&wal);
         let mut reached = Vec::new();
         for i in 0..self.nodes.len() {
-            if self.nodes[i].live.is_some() && self.rng.random_bool(0.8) {
+            if self.nodes[i].live.is_some() && self.cut_off != Some(i) && self.rng.random_bool(0.8)
+            {
                 self.stream_to(i);
                 reached.push(i + 1);
             }
@@ -817,6 +822,14 @@ impl Sim {
             92..94 if !deleted && self.rng.random_bool(0.3) => self.delete(),
             94 if !deleted => self.pull(),
             95 if !deleted => self.new_term(),
+            96 if self.nodes.len() > 1 => {
+                self.cut_off = match self.cut_off {
+                    Some(_) => None,
+                    None => Some(self.rng.random_range(0..self.nodes.len())),
+                };
+                let cut = self.cut_off;
+                self.note(format!("cut off: {cut:?}"));
+            }
             _ if deleted => self.after_delete(),
             _ => self.perform(),
         }
