@@ -770,10 +770,10 @@ mod tests {
             })
     }
 
-    /// The object file and file offset of a runtime address of this process.
-    fn object_address(addr: usize) -> (PathBuf, u64) {
-        let (start, _, file_offset, path) = mapping_of(addr).expect("the address is mapped");
-        (path, (addr - start) as u64 + file_offset)
+    /// The object file and file offset of a runtime address of this process, if mapped.
+    fn object_address(addr: usize) -> Option<(PathBuf, u64)> {
+        let (start, _, file_offset, path) = mapping_of(addr)?;
+        Some((path, (addr - start) as u64 + file_offset))
     }
 
     /// What the `backtrace` crate (addr2line over the whole DWARF) says about `addr` (which it
@@ -832,10 +832,9 @@ mod tests {
         };
         for &addr in stack.iter().chain(&text) {
             // A return address outside any mapping (a frame of the unwinder's own) is skipped.
-            if mapping_of(addr).is_none() {
+            let Some((object, offset)) = object_address(addr) else {
                 continue;
-            }
-            let (object, offset) = object_address(addr);
+            };
             if object != exe.canonicalize().unwrap_or(exe.clone()) && object != exe {
                 continue;
             }
@@ -865,9 +864,10 @@ mod tests {
         // inlined into `outer_with_an_inlined_call`. How many unwinder frames sit above
         // `capture` depends on the build profile, so the caller's frame is found by name.
         let frames_at = |addr: usize| {
-            let (_, offset) = object_address(addr);
             let mut frames = Vec::new();
-            if let Some(vaddr) = index.vaddr_of_file_offset(offset - 1) {
+            if let Some((_, offset)) = object_address(addr)
+                && let Some(vaddr) = index.vaddr_of_file_offset(offset - 1)
+            {
                 index.lookup(vaddr, &mut frames);
             }
             frames
@@ -898,7 +898,9 @@ mod tests {
 
     /// libc: symbols without DWARF, small enough to rebuild quickly.
     fn libc_object() -> PathBuf {
-        object_address(libc::getpid as *const () as usize).0
+        object_address(libc::getpid as *const () as usize)
+            .expect("libc is mapped")
+            .0
     }
 
     #[test]
@@ -923,7 +925,8 @@ mod tests {
             Err(OpenError::Corrupt(_))
         ));
         let rebuilt = open_or_build_in(dir.path(), &object).unwrap();
-        let (_, offset) = object_address(libc::getpid as *const () as usize);
+        let (_, offset) =
+            object_address(libc::getpid as *const () as usize).expect("libc is mapped");
         let mut frames = Vec::new();
         rebuilt.lookup(rebuilt.vaddr_of_file_offset(offset).unwrap(), &mut frames);
         assert!(

@@ -21,9 +21,10 @@
 //! - a deleted timeline's remote objects are gone before a timeline with the same ids exists
 //!   again, and while they are not, creating it is refused (also across restarts).
 //!
-//! Knobs: `MANAGER_SIM_SEEDS` (default 300 on three nodes, 300 on one) seeds of `MANAGER_SIM_STEPS` (default 200) steps;
-//! `MANAGER_SIM_NODES` (default 3) nodes for the replay; `MANAGER_SIM_SEED=s` replays one (the
-//! `#[ignore]`d `manager_sim_replay_one_seed`), and a failure prints the command that does it.
+//! Knobs: `MANAGER_SIM_SEEDS` (default 300 on three nodes, 300 on one) seeds of
+//! `MANAGER_SIM_STEPS` (default 200) steps; `MANAGER_SIM_NODES` (default 3) nodes for the
+//! replay; `MANAGER_SIM_SEED=s` replays one (the `#[ignore]`d `manager_sim_replay_one_seed`),
+//! and a failure prints the command that does it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -60,7 +61,7 @@ fn env_u64(name: &str) -> Option<u64> {
 /// it was elected with, and what a quorum acknowledged.
 struct Proposer {
     term: u64,
-    history: Vec<(u64, Lsn)>,
+    history: TermHistory,
     walgen: WalGenerator,
     /// Every WAL byte generated from [`START`] on (the primary's WAL).
     sent: Vec<u8>,
@@ -71,15 +72,6 @@ struct Proposer {
 impl Proposer {
     fn end(&self) -> Lsn {
         Lsn(START.0 + self.sent.len() as u64)
-    }
-
-    fn term_history(&self) -> TermHistory {
-        TermHistory(
-            self.history
-                .iter()
-                .map(|&(t, lsn)| TermLsn { term: Term(t), lsn })
-                .collect(),
-        )
     }
 }
 
@@ -166,7 +158,7 @@ impl Sim {
             ttid: greeting(7, SEG).ttid(),
             proposer: Proposer {
                 term: 0,
-                history: Vec::new(),
+                history: TermHistory::empty(),
                 walgen: WalGenerator::new(42, SEG, START).unwrap(),
                 sent: Vec::new(),
                 committed: START,
@@ -199,7 +191,10 @@ impl Sim {
         let g = greeting(7, SEG);
         self.proposer = Proposer {
             term: 1,
-            history: vec![(1, START)],
+            history: TermHistory(vec![TermLsn {
+                term: Term(1),
+                lsn: START,
+            }]),
             walgen: WalGenerator::new(42, SEG, START).unwrap(),
             sent: Vec::new(),
             committed: START,
@@ -249,11 +244,11 @@ impl Sim {
         };
         let tl = live.tl.clone();
         let st = tl.status();
-        let history = self.proposer.term_history();
+        let history = self.proposer.history.clone();
         let start =
             TermHistory::find_highest_common_point(&history, &st.term_history, st.flush_lsn)
                 .expect("the histories are consistent")
-                .map_or(self.proposer.history[0].1, |p| p.lsn);
+                .map_or(START, |p| p.lsn);
         run(&tl, ProposerAcceptorMessage::Greeting(greeting(7, SEG)));
         run(
             &tl,
@@ -295,7 +290,7 @@ impl Sim {
                 best = Some((key.0, key.1, v.term_history));
             }
         }
-        let (_, flush, history) = best.expect("a quorum voted");
+        let (_, flush, mut history) = best.expect("a quorum voted");
         // Every committed byte is on some voter (any two quorums intersect).
         assert!(
             flush >= self.proposer.committed,
@@ -305,8 +300,11 @@ impl Sim {
             self.replay_hint()
         );
         self.proposer.term = term;
-        self.proposer.history = history.0.iter().map(|e| (e.term.0, e.lsn)).collect();
-        self.proposer.history.push((term, flush));
+        history.0.push(TermLsn {
+            term: Term(term),
+            lsn: flush,
+        });
+        self.proposer.history = history;
         self.note(format!("term {term} elected at {flush} by {voters:?}"));
         for &i in &voters {
             self.elect_on(i);
@@ -598,11 +596,13 @@ impl Sim {
         }
         drop(snap);
         self.note(format!(
-            "node {} snapshots [{start}, {flush}) in {} bytes for {target:?}, aborted: {aborted:?}",
+            "node {} snapshots [{start}, {flush}) in {} bytes for node {:?}, aborted: {aborted:?}",
             donor + 1,
-            bytes.len()
+            bytes.len(),
+            target.map(|t| t + 1)
         ));
-        let id = target.map_or(100, |t| self.nodes[t].id);
+        // The replacement takes the replaced node's id; alone, the puller is a new node.
+        let id = target.map_or(self.nodes.len() as u64 + 1, |t| self.nodes[t].id);
         let (psim, pfs) = SimFs::with_dir(Path::new(DATADIR));
         let puller = load(&pfs, id);
         puller.set_remote_storage(true);
@@ -892,7 +892,7 @@ impl Sim {
             let Some(live) = &node.live else { continue };
             let flush = live.tl.positions().flush_lsn;
             let local = self.check_wal_of(&live.tl, &node.fs, flush, "a node's WAL");
-            holders.push((node.id, flush, local));
+            holders.push((flush, local));
         }
         let committed = self.proposer.committed;
         let mut segno = START.segment_number(SEG);
@@ -900,7 +900,7 @@ impl Sim {
             let to = Lsn(((segno + 1) * SEG).min(committed.0));
             let local = holders
                 .iter()
-                .filter(|(_, flush, local)| *flush >= to && local.contains(&segno))
+                .filter(|(flush, local)| *flush >= to && local.contains(&segno))
                 .count();
             let stored = self
                 .rt
@@ -990,6 +990,14 @@ struct PullCounts {
     puller_crashes: u64,
 }
 
+impl std::ops::AddAssign for PullCounts {
+    fn add_assign(&mut self, o: PullCounts) {
+        self.installed += o.installed;
+        self.refused += o.refused;
+        self.puller_crashes += o.puller_crashes;
+    }
+}
+
 /// What a run did (a simulation that never removes proves nothing about removal).
 #[derive(Clone, Copy, Debug, Default)]
 struct Stats {
@@ -1006,9 +1014,7 @@ impl std::ops::AddAssign for Stats {
         self.crashes += o.crashes;
         self.terms += o.terms;
         self.replacements += o.replacements;
-        self.pulls.installed += o.pulls.installed;
-        self.pulls.refused += o.pulls.refused;
-        self.pulls.puller_crashes += o.pulls.puller_crashes;
+        self.pulls += o.pulls;
     }
 }
 
