@@ -24,7 +24,7 @@ use pg_wal::PgMajor;
 use pg_wal::format::is_valid_seg_size;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{IntGaugeVec, Opts};
+use prometheus::{GaugeVec, IntGaugeVec, Opts};
 use sk_core::protocol::ProposerGreeting;
 use sk_core::state::{Configuration, ServerInfo, TimelinePersistentState};
 use sk_core::storage::durable::fsync_dir;
@@ -975,16 +975,20 @@ const TIMELINE_GAUGES: &[(&str, &str)] = &[
         "Committed WAL not yet applied by the timeline's most-lagging reporting reader (bytes)",
     ),
     (
-        "safekeeper_reader_flush_lag_ms_max",
-        "Largest time from sending WAL to a reader's report of flushing it (ms; 0: none measured)",
-    ),
-    (
-        "safekeeper_reader_replay_lag_ms_max",
-        "Largest time from sending WAL to a reader's report of applying it (ms; 0: none measured)",
-    ),
-    (
         "safekeeper_readers_hs_feedback_xmin",
         "Oldest xmin the timeline's hot standbys need, as a full 64-bit xid (0: none)",
+    ),
+];
+
+/// The per-timeline gauges in seconds, after the integer ones: Prometheus names carry base units.
+const TIMELINE_SECONDS_GAUGES: &[(&str, &str)] = &[
+    (
+        "safekeeper_reader_flush_lag_seconds_max",
+        "Largest time from sending WAL to a reader's report of flushing it (0: none measured)",
+    ),
+    (
+        "safekeeper_reader_replay_lag_seconds_max",
+        "Largest time from sending WAL to a reader's report of applying it (0: none measured)",
     ),
 ];
 
@@ -994,6 +998,7 @@ impl TimelineCollector {
     pub fn register(timelines: &Arc<GlobalTimelines>) {
         let descs = TIMELINE_GAUGES
             .iter()
+            .chain(TIMELINE_SECONDS_GAUGES)
             .map(|(name, help)| {
                 Desc::new(
                     name.to_string(),
@@ -1029,6 +1034,13 @@ impl Collector for TimelineCollector {
                     .expect("valid metric")
             })
             .collect();
+        let seconds: Vec<GaugeVec> = TIMELINE_SECONDS_GAUGES
+            .iter()
+            .map(|(name, help)| {
+                GaugeVec::new(Opts::new(*name, *help), &["tenant_id", "timeline_id"])
+                    .expect("valid metric")
+            })
+            .collect();
         for tl in timelines.all() {
             let s = tl.status();
             let lags = tl.reader_lags();
@@ -1056,15 +1068,22 @@ impl Collector for TimelineCollector {
                 lags.flush_lag_bytes.1 as i64,
                 lags.replay_lag_bytes.0 as i64,
                 lags.replay_lag_bytes.1 as i64,
-                (lags.max_flush_lag * 1000.0) as i64,
-                (lags.max_replay_lag * 1000.0) as i64,
                 s.hs_feedback.xmin as i64,
             ];
             for (v, value) in vecs.iter().zip(values) {
                 v.with_label_values(&labels).set(value);
             }
+            for (v, value) in seconds
+                .iter()
+                .zip([lags.max_flush_lag, lags.max_replay_lag])
+            {
+                v.with_label_values(&labels).set(value);
+            }
         }
-        vecs.iter().flat_map(|v| v.collect()).collect()
+        vecs.iter()
+            .flat_map(|v| v.collect())
+            .chain(seconds.iter().flat_map(|v| v.collect()))
+            .collect()
     }
 }
 
