@@ -13,7 +13,8 @@
 //!   is right across a wraparound. A xid below `FirstNormalTransactionId` (3) is "none", as the
 //!   walsender treats it. The timeline's [`Readers::hs_feedback`] goes to the proposer in each
 //!   `AppendResponse` (neon's `hs_feedback`).
-//! - **Backpressure input**: the slowest *required* reader's positions go to the proposer as
+//! - **Backpressure input**: the *required* readers' least positions (each its own minimum: the
+//!   reader slowest to apply need not be the one slowest to flush) go to the proposer as
 //!   neon's pageserver feedback (`ps_writelsn`/`ps_flushlsn`/`ps_applylsn`), whose byte layout
 //!   the proposer already reads; which readers are required is `--backpressure-readers`.
 //!
@@ -278,8 +279,9 @@ impl Readers {
         oldest_xmin(&self.inner.lock())
     }
 
-    /// The slowest required reader's positions (by flush, then apply), as neon's pageserver
-    /// feedback carries them; `None` without a required reader.
+    /// The required readers' least written, flushed and applied positions (each its own
+    /// minimum), as neon's pageserver feedback carries them, with the newest reply time;
+    /// `None` without a required reader.
     pub fn slowest_required(&self) -> Option<PageserverFeedback> {
         slowest_required(&self.inner.lock())
     }
@@ -403,15 +405,18 @@ fn oldest_xmin(map: &BTreeMap<u64, Reader>) -> HotStandbyFeedback {
 
 /// [`Readers::slowest_required`] over the locked map.
 fn slowest_required(map: &BTreeMap<u64, Reader>) -> Option<PageserverFeedback> {
-    let slowest = map
+    let (least, replytime) = map
         .values()
         .filter(|r| r.info.required)
-        .min_by_key(|r| (r.positions[1], r.positions[2]))?;
+        .map(|r| (r.positions, r.reply_time.unwrap_or(0)))
+        .reduce(|(a, ta), (b, tb)| {
+            ([a[0].min(b[0]), a[1].min(b[1]), a[2].min(b[2])], ta.max(tb))
+        })?;
     Some(PageserverFeedback {
-        last_received_lsn: slowest.positions[0],
-        disk_consistent_lsn: slowest.positions[1],
-        remote_consistent_lsn: slowest.positions[2],
-        replytime: slowest.reply_time.unwrap_or(0),
+        last_received_lsn: least[0],
+        disk_consistent_lsn: least[1],
+        remote_consistent_lsn: least[2],
+        replytime,
         ..Default::default()
     })
 }
@@ -520,7 +525,7 @@ mod tests {
     }
 
     #[test]
-    fn the_slowest_required_reader_is_reported_and_others_are_not() {
+    fn required_readers_least_positions_are_reported_and_others_are_not() {
         let readers = Arc::new(Readers::default());
         let fast = reader(&readers, "fast", true, 0);
         let slow_optional = reader(&readers, "slow", false, 0);
@@ -535,7 +540,20 @@ mod tests {
             ),
             (Lsn(500), Lsn(400), Lsn(300))
         );
-        drop(fast);
+        // A second required reader that flushed more but applied less: each position is its
+        // own minimum, so the apply limit is held against it.
+        let behind_in_apply = reader(&readers, "standby", true, 0);
+        behind_in_apply.status_update([Lsn(700), Lsn(600), Lsn(100)], 2, Instant::now());
+        let f = readers.slowest_required().unwrap();
+        assert_eq!(
+            (
+                f.last_received_lsn,
+                f.disk_consistent_lsn,
+                f.remote_consistent_lsn
+            ),
+            (Lsn(500), Lsn(400), Lsn(100))
+        );
+        drop((fast, behind_in_apply));
         assert_eq!(readers.slowest_required(), None);
         let s = readers.summary(Lsn(1000), Instant::now());
         assert_eq!((s.reporting, s.flush_lag_bytes), (1, (990, 990)));

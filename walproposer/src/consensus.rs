@@ -372,8 +372,8 @@ struct Member {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct ReadersFeedback {
     hs: HotStandbyFeedback,
-    /// The slowest required reader's written, flushed and applied positions (neon's pageserver
-    /// feedback `ps_writelsn`, `ps_flushlsn`, `ps_applylsn`).
+    /// The required readers' least written, flushed and applied positions, each its own minimum
+    /// (neon's pageserver feedback `ps_writelsn`, `ps_flushlsn`, `ps_applylsn`).
     slowest: Option<[Lsn; 3]>,
 }
 
@@ -624,10 +624,12 @@ impl ProposerCore {
             self.cfg.max_replication_flush_lag,
             self.cfg.max_replication_apply_lag,
         ];
+        // Each position's own minimum over the safekeepers: the apply limit holds against the
+        // reader slowest to apply even where another one is slowest to flush.
         let Some(slowest) = self
             .readers_feedback()
             .filter_map(|f| f.slowest)
-            .min_by_key(|p| (p[1], p[2]))
+            .reduce(|a, b| [a[0].min(b[0]), a[1].min(b[1]), a[2].min(b[2])])
         else {
             return Backpressure::Off;
         };

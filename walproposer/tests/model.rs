@@ -6,7 +6,10 @@
 //! append), duplicated and reordered replies, failed fetches, acceptor power losses (everything
 //! un-synced lost, the acceptor rebuilt from durable state only), proposer crashes and campaign
 //! timeouts, and stale connections (an acceptor still reading messages a proposer sent on a
-//! connection it has already given up on). Every message goes through the real codec, and the
+//! connection it has already given up on). Readers on each acceptor follow its committed WAL,
+//! stall and resume, and report back on every acknowledgement; on a third of the seeds the
+//! proposers hold their writer back by them (`max_replication_*_lag`), and the harness, like
+//! the driver, pushes nothing while the core says paused. Every message goes through the real codec, and the
 //! WAL is real PostgreSQL WAL from the generator, each record stamped with its term in
 //! `xl_xid`.
 //!
@@ -26,7 +29,9 @@
 //! identical on a quorum's durable WAL). Commit safety is judged from what each proposer
 //! *announces* (`Action::Commit`: what its commit LSN, the `--ack-log` and a relayed primary's
 //! flush feedback are made of): no two different bytes are ever announced committed at the same
-//! LSN, and an elected proposer's WAL holds everything committed in earlier terms.
+//! LSN, and an elected proposer's WAL holds everything committed in earlier terms. The core's
+//! view of the readers is checked too: its hot-standby feedback and its backpressure (off,
+//! slowed, paused) are those of the acknowledgements it took on its open connections.
 //!
 //! Knobs: `MODEL_SEEDS=n` runs `n` seeds per test (defaults: `Mem` 3000 of 400 steps and 20 of
 //! 3000 steps; `SimFs` 400 of 400 steps and 6 of 3000 steps) from `MODEL_SEED_START` (default
@@ -48,7 +53,9 @@ use pg_wal::{WalGenerator, WalStreamDecoder};
 use safekeeper::control_file::FileControlStore;
 use safekeeper::wal_store::prepare::{Background, Inline};
 use safekeeper::wal_store::{WalFileOptions, WalFileStore};
-use sk_core::protocol::{AcceptorProposerMessage, ProposerAcceptorMessage};
+use sk_core::protocol::{
+    AcceptorProposerMessage, HotStandbyFeedback, PageserverFeedback, ProposerAcceptorMessage,
+};
 use sk_core::safekeeper::{SafeKeeper, SafeKeeperError};
 use sk_core::state::{Configuration, SafekeeperId, ServerInfo, TimelinePersistentState};
 use sk_core::storage::fs::{FileSystem, Fs, SimFs};
@@ -57,7 +64,9 @@ use sk_core::storage::{ControlStore, WalStore};
 use sk_core::types::{
     Generation, Lsn, NodeId, TenantId, TenantTimelineId, Term, TermHistory, TimelineId,
 };
-use walproposer::consensus::{Action, ConnId, CoreConfig, Event, Phase, ProposerCore};
+use walproposer::consensus::{
+    Action, Backpressure, ConnId, CoreConfig, Event, Phase, ProposerCore,
+};
 
 const N_ACC: usize = 5;
 const N_PROP: usize = 2;
@@ -77,6 +86,8 @@ trait Backend: Sized {
     const NAME: &'static str;
     /// WAL segment size of the timeline.
     const SEG: u32;
+    /// Backpressure limits are multiples of this: a few records' worth.
+    const LAG_LIMIT_UNIT: u64;
     /// Where the timeline's WAL begins (a page boundary).
     const START: Lsn;
 
@@ -135,6 +146,7 @@ impl Backend for Mem {
     const NAME: &'static str = "mem";
     const SEG: u32 = 16 << 20;
     const START: Lsn = Lsn(0x0100_0000);
+    const LAG_LIMIT_UNIT: u64 = 512;
 
     fn new(_rng: &mut SmallRng) -> Mem {
         Mem
@@ -225,6 +237,7 @@ impl Backend for SimFsBackend {
     /// 32 KiB before a segment ends: the first segment starts mid-segment (its first pages are
     /// written by `initialize_first_segment`) and most schedules cross into the next segment.
     const START: Lsn = Lsn(0x0110_0000 - (32 << 10));
+    const LAG_LIMIT_UNIT: u64 = 16 << 10;
 
     fn new(rng: &mut SmallRng) -> SimFsBackend {
         SimFsBackend {
@@ -462,6 +475,8 @@ struct ModelProposer {
     wal_gen: Option<WalGenerator>,
     /// Highest commit LSN the core announced.
     commit: Lsn,
+    /// The last push was held back by backpressure.
+    paused: bool,
 }
 
 impl ModelProposer {
@@ -473,12 +488,34 @@ impl ModelProposer {
             rec_ends: Vec::new(),
             wal_gen: None,
             commit: Lsn(0),
+            paused: false,
         }
     }
 
     fn phase(&self) -> Option<Phase> {
         self.core.as_ref().map(|c| c.phase())
     }
+}
+
+/// A reader of an acceptor's committed WAL (a `pg_receivewal` or a standby, every one required
+/// for backpressure): what it reports back rides on the acceptor's acknowledgements, as the
+/// safekeeper's `Timeline::process_msg` puts it there.
+#[derive(Clone, Copy, Debug)]
+struct ModelReader {
+    /// Written, flushed and applied positions; none ever moves back.
+    pos: [Lsn; 3],
+    /// The snapshot it holds (0: none).
+    xmin: u64,
+    /// A stalled reader reports but does not move (a paused standby, a slow disk).
+    stalled: bool,
+}
+
+/// What an acknowledgement told a proposer about `a`'s readers, as the harness computed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ReportedFeedback {
+    hs: HotStandbyFeedback,
+    /// Least written, flushed and applied positions over the readers, each its own minimum.
+    least: Option<[Lsn; 3]>,
 }
 
 /// A fetch the core asked for, answered by a later step (or failed).
@@ -516,6 +553,10 @@ struct Stats {
     /// proposers started on learning one.
     membership_switches: u64,
     reconfigurations: u64,
+    /// Pushes the backpressure held back (the slowest reader at a limit), and pushes that went
+    /// through after one on the same proposer (it released).
+    backpressure_pauses: u64,
+    backpressure_releases: u64,
     acceptor_errors: BTreeMap<String, u64>,
     closes: BTreeMap<String, u64>,
     backend: BTreeMap<&'static str, u64>,
@@ -539,6 +580,8 @@ impl Stats {
         self.stale_delivered += s.stale_delivered;
         self.membership_switches += s.membership_switches;
         self.reconfigurations += s.reconfigurations;
+        self.backpressure_pauses += s.backpressure_pauses;
+        self.backpressure_releases += s.backpressure_releases;
         for (k, v) in s.acceptor_errors {
             *self.acceptor_errors.entry(k).or_default() += v;
         }
@@ -653,6 +696,17 @@ struct Cluster<B: Backend> {
     crashed_since_power_loss: Vec<bool>,
     /// A directed scenario drives the steps itself: no random faults or batching in delivery.
     scripted: bool,
+    /// Per acceptor: its readers.
+    readers: Vec<Vec<ModelReader>>,
+    /// The readers' own randomness, apart from `rng`, so the schedules of seeds without
+    /// backpressure are those they had before readers existed.
+    reader_rng: SmallRng,
+    /// `max_replication_flush_lag` and `max_replication_apply_lag` of this seed's proposers
+    /// (0: none).
+    lag_limits: [u64; 2],
+    /// `reported[p][a]`: what `a`'s last acknowledgement on its current connection to `p` said
+    /// of its readers, once the core took it.
+    reported: Vec<Vec<Option<ReportedFeedback>>>,
     stats: Stats,
 }
 
@@ -665,7 +719,7 @@ struct LogCheck {
     last_term: Term,
 }
 
-fn core_config<B: Backend>(mode: Mode) -> CoreConfig {
+fn core_config<B: Backend>(mode: Mode, lag_limits: [u64; 2]) -> CoreConfig {
     let mut cfg = CoreConfig::new(
         N_ACC,
         TenantTimelineId {
@@ -687,6 +741,7 @@ fn core_config<B: Backend>(mode: Mode) -> CoreConfig {
     if mode != Mode::Legacy {
         cfg.mconf = configuration(1, &[0, 1, 2], None);
     }
+    [cfg.max_replication_flush_lag, cfg.max_replication_apply_lag] = lag_limits;
     cfg
 }
 
@@ -704,6 +759,35 @@ impl<B: Backend> Cluster<B> {
                     .expect("the first configuration");
             }
         }
+        // Readers on every acceptor; a third of the seeds (not those whose operator replaces
+        // members, whose retired members' reports stop counting) hold the writer back by them,
+        // with limits of a few records.
+        let mut reader_rng = SmallRng::seed_from_u64(seed ^ 0xfeed_bac4);
+        let readers = (0..N_ACC)
+            .map(|_| {
+                let n = reader_rng.random_range(0..=2);
+                vec![
+                    ModelReader {
+                        pos: [B::START; 3],
+                        xmin: 0,
+                        stalled: false,
+                    };
+                    n
+                ]
+            })
+            .collect();
+        // Either limit, or both (of unrelated sizes: the apply limit may bind first).
+        let lag_limits = if mode != Mode::Replacing && reader_rng.random_bool(0.5) {
+            let which = reader_rng.random_range(0..3);
+            let mut limit = || reader_rng.random_range(1..=8) * B::LAG_LIMIT_UNIT;
+            match which {
+                0 => [limit(), 0],
+                1 => [0, limit()],
+                _ => [limit(), limit()],
+            }
+        } else {
+            [0, 0]
+        };
         Cluster {
             rng,
             mode,
@@ -736,6 +820,10 @@ impl<B: Backend> Cluster<B> {
             log_check: (0..N_ACC).map(|_| None).collect(),
             crashed_since_power_loss: vec![false; N_ACC],
             scripted: false,
+            readers,
+            reader_rng,
+            lag_limits,
+            reported: vec![vec![None; N_ACC]; N_PROP],
             stats: Stats::default(),
         }
     }
@@ -769,6 +857,7 @@ impl<B: Backend> Cluster<B> {
         let (dirty, id) = (conn.dirty, conn.id);
         let in_flight = std::mem::take(&mut conn.to_acc);
         *conn = Conn::default();
+        self.reported[p][a] = None;
         let dying = why == "power loss" || why == "process crash";
         let acceptor_closed = dying || why.starts_with("acceptor") || why.starts_with("flush");
         if !acceptor_closed && !in_flight.is_empty() && self.rng.random_bool(0.3) {
@@ -826,7 +915,10 @@ impl<B: Backend> Cluster<B> {
             let ops = self.rng.random_range(0..8);
             self.backend.arm_crash(a, ops);
         }
-        let result = self.sk_mut(a).process_msg(&msg);
+        let mut result = self.sk_mut(a).process_msg(&msg);
+        if let Ok(Some(reply)) = &mut result {
+            self.add_reader_feedback(a, reply);
+        }
         if crash_armed && self.backend.crash_point_reached(a) {
             self.stats.crash_points += 1;
             if let ProposerAcceptorMessage::Elected(e) = &msg {
@@ -878,6 +970,139 @@ impl<B: Backend> Cluster<B> {
             Err(e) => {
                 self.on_acceptor_error(a, &e);
                 self.drop_conn(p, a, &format!("acceptor error: {e}"));
+            }
+        }
+    }
+
+    /// Each running proposer's view of the readers is that of the acknowledgements it took on its
+    /// open connections: its hot-standby feedback is their oldest, and its backpressure is off,
+    /// slowed or paused as the least flushed and least applied positions among them lag its WAL's
+    /// end by half a limit or a whole one. (Not with an operator replacing members: a retired
+    /// member's reports stop counting while its connection lingers.)
+    fn check_reader_feedback(&self) {
+        if self.mode == Mode::Replacing {
+            return;
+        }
+        for (p, prop) in self.proposers.iter().enumerate() {
+            let Some(core) = prop.core.as_ref() else {
+                continue;
+            };
+            let taken: Vec<ReportedFeedback> = (0..N_ACC)
+                .filter(|&a| self.conns[p][a].up)
+                .filter_map(|a| self.reported[p][a])
+                .collect();
+            let hs = HotStandbyFeedback::oldest(taken.iter().map(|f| f.hs));
+            assert_eq!(
+                core.hs_feedback(),
+                hs,
+                "p{p}: hot-standby feedback of {taken:?}"
+            );
+            let least = taken
+                .iter()
+                .filter_map(|f| f.least)
+                .reduce(|x, y| [x[0].min(y[0]), x[1].min(y[1]), x[2].min(y[2])]);
+            let mut expected = "off";
+            if let Some(least) = least {
+                for (limit, pos) in self.lag_limits.into_iter().zip([least[1], least[2]]) {
+                    let lag = core.end_lsn().0.saturating_sub(pos.0);
+                    if limit == 0 {
+                        continue;
+                    } else if lag >= limit {
+                        expected = "paused";
+                    } else if lag >= limit / 2 && expected == "off" {
+                        expected = "slowed";
+                    }
+                }
+            }
+            let got = match core.backpressure() {
+                Backpressure::Off => "off",
+                Backpressure::Slow { .. } => "slowed",
+                Backpressure::Paused { .. } => "paused",
+            };
+            assert_eq!(
+                got,
+                expected,
+                "p{p}: backpressure with limits {:?}, WAL end {}, reports {taken:?}",
+                self.lag_limits,
+                core.end_lsn()
+            );
+        }
+    }
+
+    /// What `a`'s readers report, computed here independently of the safekeeper's code.
+    fn reader_feedback(&self, a: usize) -> ReportedFeedback {
+        let readers = &self.readers[a];
+        let least = readers
+            .iter()
+            .map(|r| r.pos)
+            .reduce(|x, y| [x[0].min(y[0]), x[1].min(y[1]), x[2].min(y[2])]);
+        let xmin = readers.iter().map(|r| r.xmin).filter(|&x| x != 0).min();
+        ReportedFeedback {
+            hs: HotStandbyFeedback {
+                ts: xmin.map_or(0, |_| 1),
+                xmin: xmin.unwrap_or(0),
+                catalog_xmin: 0,
+            },
+            least,
+        }
+    }
+
+    /// Every acknowledgement carries what the acceptor's readers report, as the safekeeper's
+    /// `Timeline::process_msg` adds it.
+    fn add_reader_feedback(&self, a: usize, reply: &mut AcceptorProposerMessage) {
+        if let AcceptorProposerMessage::AppendResponse(r) = reply {
+            let f = self.reader_feedback(a);
+            r.hs_feedback = f.hs;
+            r.pageserver_feedback = f.least.map(|[write, flush, apply]| PageserverFeedback {
+                last_received_lsn: write,
+                disk_consistent_lsn: flush,
+                remote_consistent_lsn: apply,
+                ..PageserverFeedback::default()
+            });
+        }
+    }
+
+    /// A reader step: one reader of a random acceptor moves toward that acceptor's commit LSN
+    /// (writing first, then flushing, then applying), stalls, resumes, or takes or releases a
+    /// snapshot.
+    fn reader_step(&mut self) {
+        let a = self.reader_rng.random_range(0..N_ACC);
+        if self.readers[a].is_empty() {
+            return;
+        }
+        let i = self.reader_rng.random_range(0..self.readers[a].len());
+        let commit = self.sk(a).commit_lsn();
+        let rng = &mut self.reader_rng;
+        let r = &mut self.readers[a][i];
+        match rng.random_range(0..100) {
+            0..=4 => r.stalled = !r.stalled,
+            5..=9 => {
+                r.xmin = if r.xmin == 0 {
+                    rng.random_range(3..1000)
+                } else {
+                    0
+                }
+            }
+            _ if r.stalled => {}
+            _ => {
+                // Readers get committed WAL only; a power loss may set the acceptor's commit
+                // back below what a reader already has, which it keeps.
+                let toward = |from: Lsn, to: Lsn, rng: &mut SmallRng| {
+                    if to > from {
+                        Lsn(rng.random_range(from.0..=to.0))
+                    } else {
+                        from
+                    }
+                };
+                // Each position moves on its own (a standby may flush far ahead of what
+                // it applied), never past the one before it.
+                r.pos[0] = toward(r.pos[0], commit, rng);
+                if rng.random_bool(0.6) {
+                    r.pos[1] = toward(r.pos[1], r.pos[0], rng);
+                }
+                if rng.random_bool(0.4) {
+                    r.pos[2] = toward(r.pos[2], r.pos[1], rng);
+                }
             }
         }
     }
@@ -955,7 +1180,10 @@ impl<B: Backend> Cluster<B> {
             .sk_mut(a)
             .process_msg(&ProposerAcceptorMessage::FlushWAL)
         {
-            Ok(Some(reply)) => self.conns[p][a].to_prop.push_back(encode_ap(&reply)),
+            Ok(Some(mut reply)) => {
+                self.add_reader_feedback(a, &mut reply);
+                self.conns[p][a].to_prop.push_back(encode_ap(&reply));
+            }
             Ok(None) => unreachable!("FlushWAL always answers"),
             Err(e) => self.drop_conn(p, a, &format!("flush error: {e}")),
         }
@@ -1095,9 +1323,13 @@ impl<B: Backend> Cluster<B> {
 
     fn start_campaign(&mut self, p: usize) {
         let prop = &mut self.proposers[p];
-        prop.core = Some(ProposerCore::new(core_config::<B>(self.mode)));
+        prop.core = Some(ProposerCore::new(core_config::<B>(
+            self.mode,
+            self.lag_limits,
+        )));
         prop.log = None;
         prop.rec_ends.clear();
+        prop.paused = false;
         prop.wal_gen = None;
         prop.commit = Lsn(0);
         self.vote_wal[p] = vec![None; N_ACC];
@@ -1125,7 +1357,25 @@ impl<B: Backend> Cluster<B> {
         };
         let msg = AcceptorProposerMessage::decode(&frame).expect("acceptor frames decode");
         let conn = self.conns[p][a].id;
+        let feedback = match &msg {
+            AcceptorProposerMessage::AppendResponse(r) => Some(ReportedFeedback {
+                hs: r.hs_feedback,
+                least: r.pageserver_feedback.map(|f| {
+                    [
+                        f.last_received_lsn,
+                        f.disk_consistent_lsn,
+                        f.remote_consistent_lsn,
+                    ]
+                }),
+            }),
+            _ => None,
+        };
         self.step_core(p, Event::Received { sk: a, conn, msg });
+        // The core refuses an acknowledgement by closing its connection: one still open was
+        // taken, and what it said of the readers counts until the next one or the end of it.
+        if feedback.is_some() && self.conns[p][a].up && self.conns[p][a].id == conn {
+            self.reported[p][a] = feedback;
+        }
     }
 
     /// The core chose its donor: the proposer's WAL below the term start is the donor's WAL as
@@ -1258,6 +1508,20 @@ impl<B: Backend> Cluster<B> {
         if !self.can_push(p) {
             return;
         }
+        // The driver waits while backpressure pauses the writer (a directed scenario has no
+        // readers to wait for).
+        let paused = matches!(
+            self.proposers[p].core.as_ref().map(|c| c.backpressure()),
+            Some(Backpressure::Paused { .. })
+        );
+        if paused && !self.scripted {
+            self.stats.backpressure_pauses += 1;
+            self.proposers[p].paused = true;
+            return;
+        }
+        if std::mem::take(&mut self.proposers[p].paused) {
+            self.stats.backpressure_releases += 1;
+        }
         let phase = self.proposers[p].phase().expect("running");
         let len = B::message_len(&mut self.rng);
         let mut message = vec![p as u8; len];
@@ -1351,6 +1615,7 @@ impl<B: Backend> Cluster<B> {
     // ----- invariants ---------------------------------------------------------------------
 
     fn check(&mut self) {
+        self.check_reader_feedback();
         let committed_end = Lsn(B::START.0 + self.committed.len() as u64);
         let mut holders = Vec::with_capacity(N_ACC);
         // Per acceptor: the term of its newest durable WAL and how far that WAL agrees with
@@ -1615,6 +1880,9 @@ impl<B: Backend> Cluster<B> {
     // ----- the schedule -------------------------------------------------------------------
 
     fn step(&mut self) {
+        if self.reader_rng.random_bool(0.3) {
+            self.reader_step();
+        }
         self.backend.advance_clock(&mut self.rng);
         let p = self.rng.random_range(0..N_PROP);
         let a = self.rng.random_range(0..N_ACC);
@@ -1834,7 +2102,9 @@ fn run_many<B: Backend>(default_seeds: u64, default_steps: usize) {
                 && total.process_crashes > 0
                 && total.power_losses_after_process_crash > 0
                 && total.membership_switches > 0
-                && total.reconfigurations > 0,
+                && total.reconfigurations > 0
+                && total.backpressure_pauses > 0
+                && total.backpressure_releases > 0,
             "a fault kind never happened: {total:?}"
         );
     }
