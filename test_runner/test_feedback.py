@@ -1,13 +1,15 @@
 """Readers that talk back (issue 31), with real PostgreSQL 15 and real `pg_receivewal`:
 
-- a real hot standby (`hot_standby_feedback=on`) streaming from a safekeeper holds a
-  repeatable-read snapshot: its xmin reaches the primary through the safekeeper's
-  AppendResponse and the relay's standby feedback (the slot's xmin), the primary's VACUUM keeps
-  the rows the snapshot sees, and once the query ends the xmin moves on and VACUUM removes them;
+- a real hot standby (`hot_standby_feedback=on`) streaming from one of three safekeepers
+  holds a repeatable-read snapshot: its xmin reaches the primary through that safekeeper's
+  AppendResponse and the relay's standby feedback (the slot's xmin), though the other two
+  report no reader; the primary's VACUUM keeps the rows the snapshot sees, and once the query
+  ends the xmin moves on and VACUUM removes them;
 - per-reader positions and lags appear in the timeline's status within one status interval;
 - a paused `pg_receivewal` (SIGSTOP) stops the writer at `--max-replication-flush-lag` and not
   before, and the writer resumes by itself when the reader does, with every acknowledged byte
-  intact (the `--ack-log` ledger).
+  intact (the `--ack-log` ledger); with three safekeepers the paused reader is on the third
+  while a live one reads from the first, and the writer still waits for the slowest.
 
 `FEEDBACK_HOLD_SECONDS` makes the standby's query longer (for the note's xmin figures)."""
 
@@ -19,10 +21,11 @@ import signal
 import subprocess
 import time
 
+import pytest
 import requests
 
 from fixtures.daemon import RELEASE_DIR, fmt_lsn, lsn_int, wait_until
-from fixtures.ledger import verify_safekeeper
+from fixtures.ledger import ledger, verify_safekeeper
 from fixtures.pg import PgCluster, WalProposerRelay
 from fixtures.tools import require
 
@@ -93,8 +96,10 @@ def test_standby_snapshot_holds_the_primarys_vacuum_through_the_safekeeper(
     primary = pg_factory("primary").init().start()
     primary.psql("CREATE TABLE t (id int PRIMARY KEY, v text)")
     primary.psql("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 500) g")
-    sk = safekeeper_factory(1).start()
-    relay = WalProposerRelay([sk], primary, "wp", tmp_path)
+    sks = [safekeeper_factory(i).start() for i in (1, 2, 3)]
+    # The standby reads from the third: the relay hears its xmin from that one alone.
+    sk = sks[2]
+    relay = WalProposerRelay(sks, primary, "wp", tmp_path)
     session = None
     try:
         wait_until(
@@ -122,6 +127,7 @@ def test_standby_snapshot_holds_the_primarys_vacuum_through_the_safekeeper(
         session.query("BEGIN ISOLATION LEVEL REPEATABLE READ")
         assert session.query("SELECT count(*) FROM t") == "500"
         held = wait_until(lambda: timeline(sk)["hs_feedback"]["xmin"], "hs_feedback at the sk")
+        assert [timeline(other)["hs_feedback"]["xmin"] for other in sks[:2]] == [0, 0]
         # (A new cluster is in epoch 0: 32-bit and full xids compare alike.)
         deleted = int(primary.psql("WITH d AS (DELETE FROM t RETURNING 1) SELECT txid_current()"))
         assert held <= deleted, (held, deleted)  # the DELETE is invisible to the snapshot
@@ -169,32 +175,43 @@ def test_standby_snapshot_holds_the_primarys_vacuum_through_the_safekeeper(
     assert '"hs_feedback_sent"' in out, out
 
 
-def test_paused_reader_stops_the_writer_at_the_limit_and_resumes(safekeeper_factory, tmp_path):
+def receivewal(sk, dest, name: str) -> subprocess.Popen:
+    """`pg_receivewal` from `sk` into `dest`, reporting its flush position every second."""
+    dest.mkdir()
+    # --synchronous: its flush position follows what it wrote (else only whole segments).
+    return subprocess.Popen(
+        [require("pg_receivewal", "postgresql-client-15"), "-D", str(dest), "--no-loop"]
+        + ["--synchronous", "--status-interval", "1", "-d"]
+        + [f"host=127.0.0.1 port={sk.pg_port} user=postgres application_name={name}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_paused_reader_stops_the_writer_at_the_limit_and_resumes(safekeeper_factory, tmp_path, n):
     limit = 4 << 20
-    sk = safekeeper_factory(1).start()
+    sks = [safekeeper_factory(i).start() for i in range(1, n + 1)]
+    # The paused reader reads from the last safekeeper; with three, a live one from the first.
+    sk = sks[-1]
     ack_log = tmp_path / "ack.log"
     wp_log = tmp_path / "wp.log"
     wp = subprocess.Popen(
-        [str(RELEASE_DIR / "walproposer"), "--safekeepers", f"127.0.0.1:{sk.pg_port}"]
+        [str(RELEASE_DIR / "walproposer"), "--safekeepers"]
+        + [",".join(f"127.0.0.1:{s.pg_port}" for s in sks)]
         + ["--total", "48M", "--rate", "8M", "--ack-log", str(ack_log)]
         + ["--max-replication-flush-lag", str(limit)],
         stdout=subprocess.PIPE,
         stderr=open(wp_log, "wb"),
         env={**os.environ, "RUST_LOG": "info"},
     )
-    recv = None
+    recv = live = None
     try:
-        wait_until(lambda: requests.get(f"{sk.http}/v1/timelines", timeout=5).json(), "timeline")
-        dest = tmp_path / "recv"
-        dest.mkdir()
-        # --synchronous: its flush position follows what it wrote (else only whole segments).
-        recv = subprocess.Popen(
-            [require("pg_receivewal", "postgresql-client-15"), "-D", str(dest), "--no-loop"]
-            + ["--synchronous", "--status-interval", "1", "-d"]
-            + [f"host=127.0.0.1 port={sk.pg_port} user=postgres application_name=receiver"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        for s in sks:
+            wait_until(lambda s=s: requests.get(f"{s.http}/v1/timelines", timeout=5).json(), "tl")
+        recv = receivewal(sk, tmp_path / "recv", "receiver")
+        if n > 1:
+            live = receivewal(sks[0], tmp_path / "live", "live")
 
         def reader() -> dict | None:
             rs = [r for r in timeline(sk)["reader_feedback"] if r["application_name"] == "receiver"]
@@ -222,6 +239,12 @@ def test_paused_reader_stops_the_writer_at_the_limit_and_resumes(safekeeper_fact
         assert end - last_flush >= limit, "paused before the limit"
         assert end - last_flush <= limit + (1 << 20), "went on past the limit"
         assert "backpressure: pausing appends" in wp_log.read_text()
+        if live:
+            # The live reader on the first safekeeper kept up: only the paused one holds back.
+            ahead = [
+                r for r in timeline(sks[0])["reader_feedback"] if r["application_name"] == "live"
+            ]
+            assert ahead and end - lsn_int(ahead[0]["flush_lsn"]) < limit // 2, ahead
 
         recv.send_signal(signal.SIGCONT)
         t_cont = time.monotonic()
@@ -239,7 +262,17 @@ def test_paused_reader_stops_the_writer_at_the_limit_and_resumes(safekeeper_fact
         if recv and recv.poll() is None:
             recv.send_signal(signal.SIGCONT)
             recv.kill()
+        if live and live.poll() is None:
+            live.kill()
         if wp.poll() is None:
             wp.kill()
-    verified = verify_safekeeper(ack_log, sk)
-    assert verified.ranges > 0, "nothing verified"
+    # Every acknowledged byte is on the paused reader's safekeeper up to its flush LSN, and on a
+    # quorum to the end.
+    end = ledger(ack_log)[-1][0]
+    at_end = 0
+    for s in sks:
+        flush = lsn_int(timeline(s)["flush_lsn"])
+        verified = verify_safekeeper(ack_log, s, hi=min(flush, end))
+        assert verified.ranges > 0, ("nothing verified", s.node_id)
+        at_end += flush >= end
+    assert at_end > n // 2, (at_end, n)
