@@ -7,7 +7,6 @@ compared with the safekeeper's segment files and with what a real reader receive
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -27,7 +26,7 @@ from fixtures.ledger import (
     verify_received,
     verify_safekeeper,
 )
-from fixtures.tools import before, missing, receivewal
+from fixtures.tools import before, receivewal, tmpfs
 
 START = lsn_int("0/1000000")
 SEG = 1 << 20
@@ -129,22 +128,6 @@ def test_disk_full_fails_appends_keeps_serving_and_resumes(safekeeper_factory, t
     assert checked == lsn_int(stats["end_lsn"]) - START, (ranges, checked)
 
 
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str):
-    """A real tmpfs of `size` mounted at `path` (created) for the block; unmounted after.
-    Where it cannot be mounted the test goes through `missing` (CI runs as root: it fails)."""
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        missing(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def used_ratio(path: Path) -> float:
     """The used fraction of the file system holding `path`, as the daemon (and `df`) count it."""
     st = os.statvfs(path)
@@ -157,7 +140,7 @@ def test_real_full_filesystem_fails_appends_and_recovers_when_space_returns(
     safekeeper_factory, tmp_path
 ):
     """A real 6 MiB tmpfs fills up under 1 MiB WAL segments; growing it lets ingestion finish."""
-    with small_tmpfs(tmp_path / "small", "6m") as small:
+    with tmpfs(tmp_path / "small", "6m") as small:
         sk = safekeeper_factory()
         sk.datadir = small / "data"
         sk.start()
@@ -195,7 +178,7 @@ def test_disk_usage_ratio_refuses_appends_naming_it_loses_nothing_and_resumes(
     once half of it is used, appends are refused with the limit's documented error (and the
     file system stays near half used); everything acknowledged is there unchanged; when the
     tmpfs grows (space returns) the node logs that appends resume and the push finishes."""
-    with small_tmpfs(tmp_path / "small", "16m") as small:
+    with tmpfs(tmp_path / "small", "16m") as small:
         sk = safekeeper_factory(extra_args=["--max-disk-usage-ratio", "0.5"])
         sk.datadir = small / "data"
         sk.start()

@@ -5,8 +5,9 @@ seeded schedule of faults in between:
 
 - kill -9 of a safekeeper at a random moment, or right after it removed a segment;
 - store outages (the S3 server frozen);
-- a full disk on one node (every WAL write fails with ENOSPC for a while: failpoint
-  `wal-write-enospc` of the `safekeeper-testing` build the cluster runs), then space returns;
+- a full disk on one node: each node's data directory is a real tmpfs of its own, filled up
+  with a file until every write there fails with ENOSPC (WAL, control file, segment
+  preparation alike) for a while, then the file is removed and space returns;
 - another timeline deleted on every node and created again with the same ids (refused while
   its remote objects are being deleted; its objects are gone before it exists again);
 - one replacement of a node by pull_timeline and a membership switch (`local-cluster
@@ -30,6 +31,7 @@ e.g. NEMESIS_STEPS=200 NEMESIS_SEEDS=1,2,3)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -43,8 +45,7 @@ import requests
 
 from fixtures.daemon import RELEASE_DIR, TENANT, TIMELINE, fmt_lsn, lsn_int, wait_until
 from fixtures.ledger import check_ledger, ledger, verify, verify_received
-from fixtures.tools import require
-from test_faults import failpoint
+from fixtures.tools import fill, require, tmpfs
 from test_node_replacement import TL_PATH, Cluster
 from test_wal_lifecycle import BUCKET, S3Store
 
@@ -241,17 +242,30 @@ def objects(store: S3Store, timeline: str) -> list[str]:
     return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
+@pytest.fixture
+def node_disks(tmp_path):
+    """Each node's data directory (nodes 1 to 4 of the cluster in `tmp_path`) on a real tmpfs
+    of its own, so a full disk is one node's alone. 1 GiB each: the local WAL stays a few
+    segments (`--wal-keep-size 0`, backed up as it goes)."""
+    with contextlib.ExitStack() as stack:
+        for i in range(1, 5):
+            node = tmp_path / "cluster" / f"sk{i}"
+            node.mkdir(parents=True)
+            stack.enter_context(tmpfs(node / "data", "1g"))
+        yield
+
+
 @pytest.mark.promise(14)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_nemesis(tmp_path, seed):
+def test_nemesis(tmp_path, seed, node_disks):
     print(f"NEMESIS_SEEDS={seed} NEMESIS_STEPS={STEPS}")
     rng = random.Random(seed)
     store = S3Store(tmp_path)
     cluster = Cluster(tmp_path, 4)
     cluster.env.update(store.env)
     cluster.env["LOCAL_CLUSTER_SK_ARGS"] = f"--remote-storage {store.url} --wal-keep-size 0"
-    # The testing build: the same daemon plus failpoints (the full-disk fault).
-    cluster.env["LOCAL_CLUSTER_SK_BIN"] = str(RELEASE_DIR / "safekeeper-testing")
+    # The real daemon (every fault here is real: no failpoint).
+    cluster.env["LOCAL_CLUSTER_SK_BIN"] = str(RELEASE_DIR / "safekeeper")
     out = cluster.run("start", "3")
     assert out.returncode == 0, out.stderr
     members = [1, 2, 3]
@@ -318,21 +332,22 @@ def test_nemesis(tmp_path, seed):
             elif fault == "disk-full":
                 victim = rng.choice(live)
                 log = cluster.dir / f"sk{victim}" / "safekeeper.log"
-                before = log.read_text(errors="replace").count("no space left on device")
-                failpoint(cluster.sk(victim), "wal-write-enospc", True)
-                time.sleep(rng.uniform(0.5, 3))
-                # The fault took: the node refused appends for want of space.
-                wait_until(
-                    lambda log=log, before=before: log.read_text(errors="replace").count(
-                        "no space left on device"
+                before = enospc_lines(log)
+                filler = fill(cluster.sk(victim).datadir)
+                hammer.phase = f"step {step} (disk of {victim} full)"
+                try:
+                    time.sleep(rng.uniform(0.5, 3))
+                    # The fault took: the node's writes failed for want of space.
+                    wait_until(
+                        lambda log=log, before=before: enospc_lines(log) > before,
+                        f"node {victim} failing writes with ENOSPC",
+                        timeout=30,
                     )
-                    > before,
-                    f"node {victim} refusing appends with ENOSPC",
-                    timeout=30,
-                )
-                # The node kept serving while its writes failed.
-                assert status(cluster, victim)["flush_lsn"], f"seed {seed}: node {victim} status"
-                failpoint(cluster.sk(victim), "wal-write-enospc", False)
+                    # The node kept serving while its writes failed.
+                    st = status(cluster, victim)
+                    assert st["flush_lsn"], f"seed {seed}: node {victim} status"
+                finally:
+                    filler.unlink()
             elif fault == "recreate":
                 recreate_other_timeline(cluster, store, members, seed)
             elif fault == "replace":
@@ -440,6 +455,12 @@ def test_nemesis(tmp_path, seed):
         hammer.stop_flag.set()
         cluster.run("stop")
         store.close()
+
+
+def enospc_lines(log) -> int:
+    """How often the node's log says a write found no space (the WAL store's own error, or the
+    OS error's text from other writers)."""
+    return log.read_text(errors="replace").lower().count("no space left on device")
 
 
 def metric(cluster: Cluster, i: int, name: str) -> float:
