@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.daemon import RELEASE_DIR, REPO
+from fixtures.daemon import BENCH_BUILD, RELEASE_DIR, REPO, cargo_release
 
 TARGET = RELEASE_DIR.parent
 
@@ -74,12 +74,8 @@ def test_profile_time_without_naming_the_bench():
 @pytest.fixture(scope="module")
 def commit_tail() -> Path:
     """wal-bench's commit-tail and the echo peer it starts, built in release."""
-    subprocess.run(
-        ["cargo", "build", "-q", "--release", "-p", "wal-bench"]
-        + ["--bin", "commit-tail", "--bin", "echo-peer"],
-        cwd=REPO,
-        check=True,
-    )
+    # The session's build made them (this is a no-op then), with wal-bench's package set.
+    cargo_release(*BENCH_BUILD, "--bin", "commit-tail", "--bin", "echo-peer")
     return RELEASE_DIR / "commit-tail"
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import requests
 
-from fixtures.daemon import RELEASE_DIR, REPO, Safekeeper
+from fixtures.daemon import DAEMON_BUILD, RELEASE_DIR, Safekeeper, cargo_release
 
 TEST_ONLY_ROUTES = [
     ("PUT", "/v1/failpoints?name=wal-fsync-error&active=true"),
@@ -54,13 +53,13 @@ def test_release_binary_built_with_all_features_answers_404_too(safekeeper_facto
     # `safekeeper-testing` links, so this is one link, not a second release build. The binary
     # is copied out and the default one linked again at once (target/release/safekeeper stays
     # the build users run, also if this test fails).
-    cargo = ["cargo", "build", "--release", "-p", "safekeeper", "--bin", "safekeeper"]
+    # (With the suite's package set, whose dependencies are built already.)
     try:
-        subprocess.run([*cargo, "--all-features"], cwd=REPO, check=True, timeout=3600)
+        cargo_release(*DAEMON_BUILD, "--all-features", "--bin", "safekeeper")
         copy = tmp_path / "safekeeper-all-features"
         shutil.copy2(RELEASE_DIR / "safekeeper", copy)
     finally:
-        subprocess.run(cargo, cwd=REPO, check=True, timeout=3600)
+        cargo_release(*DAEMON_BUILD, "--bin", "safekeeper")
     built = AllFeaturesSafekeeper(datadir=tmp_path / "sk1", node_id=1)
     built.path = copy
     # The feature is in this build: the test routes' code is in the binary (it is not in the
