@@ -61,7 +61,7 @@ impl WalReader {
             )));
         }
         let at = out.len();
-        out.resize(at + len as usize, 0);
+        sk_core::storage::fs::zero_extend(out, len as usize);
         let res = self.read_into(from, &mut out[at..]);
         if res.is_err() {
             out.truncate(at);
