@@ -23,11 +23,20 @@ use sk_core::storage::durable::durable_rename;
 use sk_core::storage::fs::{Fs, OpenMode};
 use sk_core::storage::{Error, Result};
 
-use super::segment::{SegmentFile, segment_path, write_blank_segment};
+use super::segment::{SegmentFile, Zeros, segment_path, write_blank_segment};
 
 /// Name of a zero-filled segment prepared in the background (see
 /// [`super::WalFileOptions::prepare_below_rate`]).
 pub const PREPARED_SEGMENT_NAME: &str = "walprep";
+
+/// How long a background preparation rests after each piece it wrote back: a 16 MiB segment
+/// then takes ~0.3 s more to prepare (its stream fills one in a second or more, or it is not
+/// prepared), and the commits of the same disk find at most one 64 KiB piece ahead of their
+/// `fdatasync` in the queue. Commit-tail (6000 commits of 8 KiB) through one safekeeper, six
+/// rounds alternating with the unpaced build: max 2.9–9.3 ms against 32–49 ms, p99.9
+/// 2.4–2.9 ms against 3.6–6.5 ms, mean 0.92–1.10x (the raw disk's own max 1.5–11 ms in the
+/// same rounds).
+const PREPARATION_WRITE_BACK_PAUSE: Duration = Duration::from_millis(1);
 
 /// A segment preparation, ready to run.
 pub type Job = Box<dyn FnOnce() -> Result<()> + Send>;
@@ -36,6 +45,11 @@ pub type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 pub trait Runner: fmt::Debug + Send + Sync {
     /// Now, to measure how fast a segment filled.
     fn now(&self) -> Instant;
+    /// How long a preparation rests after writing back each piece of its segment
+    /// ([`Zeros::Paced`]): none by default (a caller's thread, a simulation).
+    fn write_back_pause(&self) -> Duration {
+        Duration::ZERO
+    }
     /// Starts `job`. `None` if it could not be started (then nothing is prepared).
     fn spawn(&self, job: Job) -> Option<Task>;
 }
@@ -73,6 +87,10 @@ pub struct Threads;
 impl Runner for Threads {
     fn now(&self) -> Instant {
         Instant::now()
+    }
+
+    fn write_back_pause(&self) -> Duration {
+        PREPARATION_WRITE_BACK_PAUSE
     }
 
     fn spawn(&self, job: Job) -> Option<Task> {
@@ -186,8 +204,9 @@ impl Preparer {
             let fs = self.fs.clone();
             let path = self.dir.join(PREPARED_SEGMENT_NAME);
             let (seg_size, no_sync) = (self.seg_size, self.no_sync);
+            let zeros = Zeros::Paced(self.background.0.write_back_pause());
             self.task = self.background.0.spawn(Box::new(move || {
-                write_blank_segment(&fs, &path, seg_size, true, no_sync).map(drop)
+                write_blank_segment(&fs, &path, seg_size, Some(zeros), no_sync).map(drop)
             }));
         }
     }

@@ -1227,14 +1227,16 @@ fn a_pipelined_stream_writes_no_zeros_ahead() {
     });
 }
 
-/// Zeros land on exactly `[from, to)`, whatever the alignment, in both write sizes; the bytes
-/// around the range are left alone.
+/// Zeros land on exactly `[from, to)`, whatever the alignment, in every write size (paced
+/// included: written back piece by piece on the real file system); the bytes around the range
+/// are left alone.
 #[test]
 fn write_zeros_covers_exactly_the_range_in_pages_and_in_bulk() {
     use super::segment::{Zeros, write_zeros};
     use sk_core::storage::fs::OpenMode;
     let dir = tempfile::tempdir().unwrap();
-    for how in [Zeros::Pages, Zeros::Bulk] {
+    let paced = Zeros::Paced(Duration::from_micros(10));
+    for how in [Zeros::Pages, Zeros::Bulk, paced] {
         for (from, to) in [
             (0, 4096),
             (1, 4095),
