@@ -159,7 +159,8 @@ pub struct Conf {
     pub max_reader_hold: u64,
 
     /// Readers whose lag the proposer feels (its `--max-replication-flush-lag` and
-    /// `--max-replication-apply-lag`): the slowest of them is reported in every acknowledgement.
+    /// `--max-replication-apply-lag`): their least positions are reported in every
+    /// acknowledgement.
     /// `*` (any reader of committed WAL), `none`, or comma-separated `application_name`s.
     #[arg(long, env = "SAFEKEEPER_BACKPRESSURE_READERS", default_value = "*")]
     pub backpressure_readers: crate::feedback::RequiredReaders,
