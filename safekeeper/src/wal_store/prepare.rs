@@ -204,7 +204,12 @@ impl Preparer {
             let fs = self.fs.clone();
             let path = self.dir.join(PREPARED_SEGMENT_NAME);
             let (seg_size, no_sync) = (self.seg_size, self.no_sync);
-            let zeros = Zeros::Paced(self.background.0.write_back_pause());
+            // Under `--no-sync` nothing is written back on purpose.
+            let zeros = if no_sync {
+                Zeros::Bulk
+            } else {
+                Zeros::Paced(self.background.0.write_back_pause())
+            };
             self.task = self.background.0.spawn(Box::new(move || {
                 write_blank_segment(&fs, &path, seg_size, Some(zeros), no_sync).map(drop)
             }));

@@ -88,8 +88,9 @@ pub(super) enum Zeros {
     /// together). Without a pause, 256 KiB pieces gave a max of 5.2-6.9 ms in two rounds and
     /// 820 ms in a third, and a mean commit 1.05-1.54x slower.
     Paced(std::time::Duration),
-    /// 64 KiB per `pwrite`, for whole blank segments made off the ingest path (truncation): 16 times fewer system calls than pages, folios small enough
-    /// for the appends into them (1 MiB pieces put `process_msg` back at 3.5 µs), and a
+    /// 64 KiB per `pwrite`, for whole blank segments made off the ingest path (truncation, and
+    /// preparation under `--no-sync`): 16 times fewer system calls than pages, folios small
+    /// enough for the appends into them (1 MiB pieces put `process_msg` back at 3.5 µs), and a
     /// write-back that costs the commits of other nodes on the same disk less than pages did
     /// (three safekeepers on one disk, page-sized preparation: mean commit 1.4-2x slower in 4
     /// of 4 alternating runs; 64 KiB: 0.6x the mean of the 1 MiB build in 2 of 2).
