@@ -5,9 +5,10 @@ seeded schedule of faults in between:
 
 - kill -9 of a safekeeper at a random moment, or right after it removed a segment;
 - store outages (the S3 server frozen);
-- a full disk on one node: each node's data directory is a real tmpfs of its own, filled up
-  with a file until every write there fails with ENOSPC (WAL, control file, segment
-  preparation alike) for a while, then the file is removed and space returns;
+- a full disk on one node: each node's data directory is a real tmpfs of its own (mounting
+  needs root: CI runs as root, elsewhere the test skips), filled up with a file until writes
+  that need new space fail with ENOSPC (new segments, control-file saves, segment preparation;
+  removal may free some meanwhile) for a while, then the file is removed and space returns;
 - another timeline deleted on every node and created again with the same ids (refused while
   its remote objects are being deleted; its objects are gone before it exists again);
 - one replacement of a node by pull_timeline and a membership switch (`local-cluster
@@ -245,13 +246,14 @@ def objects(store: S3Store, timeline: str) -> list[str]:
 @pytest.fixture
 def node_disks(tmp_path):
     """Each node's data directory (nodes 1 to 4 of the cluster in `tmp_path`) on a real tmpfs
-    of its own, so a full disk is one node's alone. 1 GiB each: the local WAL stays a few
-    segments (`--wal-keep-size 0`, backed up as it goes)."""
+    of its own, so a full disk is one node's alone. 256 MiB each (in RAM, and a full-disk fault
+    fills one): the local WAL stays a few segments (`--wal-keep-size 0`, backed up as it
+    goes)."""
     with contextlib.ExitStack() as stack:
         for i in range(1, 5):
             node = tmp_path / "cluster" / f"sk{i}"
             node.mkdir(parents=True)
-            stack.enter_context(tmpfs(node / "data", "1g"))
+            stack.enter_context(tmpfs(node / "data", "256m"))
         yield
 
 

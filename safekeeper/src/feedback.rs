@@ -162,6 +162,9 @@ struct Reader {
     sent_lsn: Lsn,
     /// Written, flushed and applied positions reported (the start LSN until the first report).
     positions: [Lsn; 3],
+    /// Whether it ever reported an applied position: `pg_receivewal` never does (it sends
+    /// `InvalidXLogRecPtr`), and what it flushed stands for it in the backpressure input.
+    applies: bool,
     /// The reader's clock at its last status update (µs since 2000-01-01 UTC).
     reply_time: Option<i64>,
     replied_at: Option<Instant>,
@@ -259,6 +262,7 @@ impl Readers {
                 start_lsn: start,
                 sent_lsn: start,
                 positions: [start; 3],
+                applies: false,
                 reply_time: None,
                 replied_at: None,
                 lag,
@@ -369,6 +373,7 @@ impl ReaderHandle {
     pub fn status_update(&self, positions: [Lsn; 3], send_time: i64, now: Instant) {
         self.with(|r| {
             let prev = r.positions;
+            r.applies |= positions[2].is_valid();
             for (p, new) in r.positions.iter_mut().zip(positions) {
                 *p = (*p).max(new);
             }
@@ -408,7 +413,13 @@ fn slowest_required(map: &BTreeMap<u64, Reader>) -> Option<PageserverFeedback> {
     let (least, replytime) = map
         .values()
         .filter(|r| r.info.required)
-        .map(|r| (r.positions, r.reply_time.unwrap_or(0)))
+        .map(|r| {
+            let [write, flush, apply] = r.positions;
+            // A reader that never applies (pg_receivewal) would otherwise pin the apply
+            // minimum at its start LSN and pause the writer for good.
+            let apply = if r.applies { apply } else { flush };
+            ([write, flush, apply], r.reply_time.unwrap_or(0))
+        })
         .reduce(|(a, ta), (b, tb)| {
             ([a[0].min(b[0]), a[1].min(b[1]), a[2].min(b[2])], ta.max(tb))
         })?;
@@ -553,7 +564,22 @@ mod tests {
             ),
             (Lsn(500), Lsn(400), Lsn(100))
         );
-        drop((fast, behind_in_apply));
+        // A pg_receivewal reports no applied position (0): what it flushed stands for it, so
+        // it does not hold the apply minimum at its start.
+        let receivewal = reader(&readers, "pg_receivewal", true, 0);
+        receivewal.status_update([Lsn(900), Lsn(900), Lsn(0)], 3, Instant::now());
+        let f = readers.slowest_required().unwrap();
+        assert_eq!(f.remote_consistent_lsn, Lsn(100));
+        drop(behind_in_apply);
+        let f = readers.slowest_required().unwrap();
+        assert_eq!(f.remote_consistent_lsn, Lsn(300));
+        drop(fast);
+        let f = readers.slowest_required().unwrap();
+        assert_eq!(
+            (f.disk_consistent_lsn, f.remote_consistent_lsn),
+            (Lsn(900), Lsn(900))
+        );
+        drop(receivewal);
         assert_eq!(readers.slowest_required(), None);
         let s = readers.summary(Lsn(1000), Instant::now());
         assert_eq!((s.reporting, s.flush_lag_bytes), (1, (990, 990)));

@@ -649,7 +649,9 @@ impl ProposerCore {
         match worst {
             None => Backpressure::Off,
             Some((lag, limit)) if lag >= limit => Backpressure::Paused { lag },
-            Some((lag, limit)) if lag >= limit / 2 => {
+            // Half the limit or more (`2 * lag`: an odd limit's half is not rounded down, so
+            // the limit nearest its end by ratio is also the one past its half).
+            Some((lag, limit)) if u128::from(lag) * 2 >= u128::from(limit) => {
                 let half = limit / 2;
                 let span = (limit - half).max(1);
                 Backpressure::Slow {

@@ -1009,7 +1009,7 @@ impl<B: Backend> Cluster<B> {
                         continue;
                     } else if lag >= limit {
                         expected = "paused";
-                    } else if lag >= limit / 2 && expected == "off" {
+                    } else if 2 * lag >= limit && expected == "off" {
                         expected = "slowed";
                     }
                 }
@@ -1508,8 +1508,8 @@ impl<B: Backend> Cluster<B> {
         if !self.can_push(p) {
             return;
         }
-        // The driver waits while backpressure pauses the writer (a directed scenario has no
-        // readers to wait for).
+        // The driver waits while backpressure pauses the writer (a directed scenario drives
+        // its own steps and pushes regardless; its cores' view is still checked).
         let paused = matches!(
             self.proposers[p].core.as_ref().map(|c| c.backpressure()),
             Some(Backpressure::Paused { .. })

@@ -122,10 +122,10 @@ pub(super) fn write_zeros(
         if let Zeros::Paced(pause) = how
             && (off - written_back >= PACED_WRITE_BACK || off == to)
         {
-            // Advisory: a failure here leaves the pages to the final fsync, which reports it.
-            if let Err(e) = f.write_back(written_back, off - written_back) {
-                tracing::debug!("writing back zeros [{written_back}, {off}): {e}");
-            }
+            // A write-back error is this call's alone: Linux hands it to the first caller that
+            // waits (and advances the descriptor's error cursor past it), so the final fsync
+            // would succeed over pages that never reached the disk. It fails the fill.
+            f.write_back(written_back, off - written_back)?;
             written_back = off;
             if !pause.is_zero() {
                 std::thread::sleep(pause);

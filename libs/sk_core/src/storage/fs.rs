@@ -55,7 +55,9 @@ pub trait FileHandle: fmt::Debug + Send + Sync {
     /// (`sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)`). It promises no durability (no
     /// metadata, no device cache flush): it spreads the write-back of a large write, so other
     /// files' `fdatasync`s wait behind one piece of it rather than all of it at its `fsync`, and
-    /// that `fsync` has little left to write. By default nothing (the simulated file system).
+    /// that `fsync` has little left to write. Its error must be taken as a failed write: it
+    /// consumes the descriptor's write-back error, which a later `fsync` then no longer reports.
+    /// By default nothing (the simulated file system).
     fn write_back(&self, off: u64, len: u64) -> io::Result<()> {
         let _ = (off, len);
         Ok(())
