@@ -161,11 +161,16 @@ def test_heap_svg_is_well_formed(profiled, tmp_path):
     assert root.tag.endswith("svg")
 
 
+def pprof_bytes(value: str, unit: str) -> float:
+    """A size as `go tool pprof` prints it (`63.72` `MB`), in bytes."""
+    return float(value) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+
+
 def mb_total(top: str) -> float:
     """The total of a `go tool pprof -top` listing, in bytes."""
     total = re.search(r"of ([\d.]+)([kMG]?B) total", top)
     assert total, top
-    return float(total.group(1)) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[total.group(2)]
+    return pprof_bytes(total.group(1), total.group(2))
 
 
 def cum_bytes(top: str, function: str) -> float:
@@ -174,7 +179,7 @@ def cum_bytes(top: str, function: str) -> float:
     for ln in top.splitlines():
         m = re.match(r"\s*\S+\s+\S+%\s+\S+%\s+([\d.]+)([kMG]?B)\s+\S+%\s+(.*)$", ln)
         if m and m.group(3).startswith(function):
-            return float(m.group(1)) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[m.group(2)]
+            return pprof_bytes(m.group(1), m.group(2))
     return 0.0
 
 

@@ -542,43 +542,30 @@ mod tests {
         let slow_optional = reader(&readers, "slow", false, 0);
         fast.status_update([Lsn(500), Lsn(400), Lsn(300)], 1, Instant::now());
         slow_optional.status_update([Lsn(10); 3], 1, Instant::now());
-        let f = readers.slowest_required().unwrap();
-        assert_eq!(
-            (
+        // The reported (write, flush, apply) positions.
+        let least = || {
+            let f = readers.slowest_required().unwrap();
+            [
                 f.last_received_lsn,
                 f.disk_consistent_lsn,
-                f.remote_consistent_lsn
-            ),
-            (Lsn(500), Lsn(400), Lsn(300))
-        );
+                f.remote_consistent_lsn,
+            ]
+        };
+        assert_eq!(least(), [Lsn(500), Lsn(400), Lsn(300)]);
         // A second required reader that flushed more but applied less: each position is its
         // own minimum, so the apply limit is held against it.
         let behind_in_apply = reader(&readers, "standby", true, 0);
         behind_in_apply.status_update([Lsn(700), Lsn(600), Lsn(100)], 2, Instant::now());
-        let f = readers.slowest_required().unwrap();
-        assert_eq!(
-            (
-                f.last_received_lsn,
-                f.disk_consistent_lsn,
-                f.remote_consistent_lsn
-            ),
-            (Lsn(500), Lsn(400), Lsn(100))
-        );
+        assert_eq!(least(), [Lsn(500), Lsn(400), Lsn(100)]);
         // A pg_receivewal reports no applied position (0): what it flushed stands for it, so
         // it does not hold the apply minimum at its start.
         let receivewal = reader(&readers, "pg_receivewal", true, 0);
         receivewal.status_update([Lsn(900), Lsn(900), Lsn(0)], 3, Instant::now());
-        let f = readers.slowest_required().unwrap();
-        assert_eq!(f.remote_consistent_lsn, Lsn(100));
+        assert_eq!(least()[2], Lsn(100));
         drop(behind_in_apply);
-        let f = readers.slowest_required().unwrap();
-        assert_eq!(f.remote_consistent_lsn, Lsn(300));
+        assert_eq!(least()[2], Lsn(300));
         drop(fast);
-        let f = readers.slowest_required().unwrap();
-        assert_eq!(
-            (f.disk_consistent_lsn, f.remote_consistent_lsn),
-            (Lsn(900), Lsn(900))
-        );
+        assert_eq!(least()[1..], [Lsn(900), Lsn(900)]);
         drop(receivewal);
         assert_eq!(readers.slowest_required(), None);
         let s = readers.summary(Lsn(1000), Instant::now());

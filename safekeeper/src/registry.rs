@@ -1018,6 +1018,19 @@ impl TimelineCollector {
     }
 }
 
+/// One gauge vector per `(name, help)` of `gauges`, labelled by tenant and timeline.
+fn timeline_gauges<V>(
+    gauges: &[(&str, &str)],
+    new: impl Fn(Opts, &[&str]) -> prometheus::Result<V>,
+) -> Vec<V> {
+    gauges
+        .iter()
+        .map(|(name, help)| {
+            new(Opts::new(*name, *help), &["tenant_id", "timeline_id"]).expect("valid metric")
+        })
+        .collect()
+}
+
 impl Collector for TimelineCollector {
     fn desc(&self) -> Vec<&Desc> {
         self.descs.iter().collect()
@@ -1027,20 +1040,8 @@ impl Collector for TimelineCollector {
         let Some(timelines) = self.timelines.upgrade() else {
             return Vec::new();
         };
-        let vecs: Vec<IntGaugeVec> = TIMELINE_GAUGES
-            .iter()
-            .map(|(name, help)| {
-                IntGaugeVec::new(Opts::new(*name, *help), &["tenant_id", "timeline_id"])
-                    .expect("valid metric")
-            })
-            .collect();
-        let seconds: Vec<GaugeVec> = TIMELINE_SECONDS_GAUGES
-            .iter()
-            .map(|(name, help)| {
-                GaugeVec::new(Opts::new(*name, *help), &["tenant_id", "timeline_id"])
-                    .expect("valid metric")
-            })
-            .collect();
+        let vecs = timeline_gauges(TIMELINE_GAUGES, IntGaugeVec::new);
+        let seconds = timeline_gauges(TIMELINE_SECONDS_GAUGES, GaugeVec::new);
         for tl in timelines.all() {
             let s = tl.status();
             let lags = tl.reader_lags();

@@ -518,6 +518,11 @@ struct ReportedFeedback {
     least: Option<[Lsn; 3]>,
 }
 
+/// Each position's own minimum of two (written, flushed, applied) triples.
+fn least_of(x: [Lsn; 3], y: [Lsn; 3]) -> [Lsn; 3] {
+    [x[0].min(y[0]), x[1].min(y[1]), x[2].min(y[2])]
+}
+
 /// A fetch the core asked for, answered by a later step (or failed).
 struct PendingFetch {
     id: u64,
@@ -997,10 +1002,7 @@ impl<B: Backend> Cluster<B> {
                 hs,
                 "p{p}: hot-standby feedback of {taken:?}"
             );
-            let least = taken
-                .iter()
-                .filter_map(|f| f.least)
-                .reduce(|x, y| [x[0].min(y[0]), x[1].min(y[1]), x[2].min(y[2])]);
+            let least = taken.iter().filter_map(|f| f.least).reduce(least_of);
             let mut expected = "off";
             if let Some(least) = least {
                 for (limit, pos) in self.lag_limits.into_iter().zip([least[1], least[2]]) {
@@ -1032,10 +1034,7 @@ impl<B: Backend> Cluster<B> {
     /// What `a`'s readers report, computed here independently of the safekeeper's code.
     fn reader_feedback(&self, a: usize) -> ReportedFeedback {
         let readers = &self.readers[a];
-        let least = readers
-            .iter()
-            .map(|r| r.pos)
-            .reduce(|x, y| [x[0].min(y[0]), x[1].min(y[1]), x[2].min(y[2])]);
+        let least = readers.iter().map(|r| r.pos).reduce(least_of);
         let xmin = readers.iter().map(|r| r.xmin).filter(|&x| x != 0).min();
         ReportedFeedback {
             hs: HotStandbyFeedback {
