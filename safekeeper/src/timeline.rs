@@ -244,7 +244,13 @@ impl Timeline {
                 zero_fill: false,
                 prepare_below_rate: PREPARE_SEGMENTS_BELOW_RATE,
                 fs: fs.clone(),
-                background: Default::default(),
+                // On a simulated disk, preparations and fills run on the simulation's thread
+                // (a clock that never moves: no preparation), so every seed replays exactly.
+                background: if fs.simulated() {
+                    crate::wal_store::Background::new(crate::wal_store::Inline::new())
+                } else {
+                    Default::default()
+                },
                 open_files: open_files.clone(),
             },
         )?;

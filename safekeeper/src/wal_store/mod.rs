@@ -19,7 +19,9 @@
 //!   on descriptors: idle timelines' segments are fsynced if needed and closed);
 //! - [`recovery`]: the end of WAL at start-up and verification of the committed WAL;
 //! - [`reader`]: reading WAL back for walsenders;
-//! - [`prepare`]: preparing the next segment in the background, on an injected clock and runner.
+//! - [`prepare`]: preparing the next segment in the background, on an injected clock and runner;
+//! - [`fill`]: zero-filling the rest of a sparse open segment in the background, for a
+//!   commit-bound stream.
 //!
 //! Not here: deciding what to write or truncate (the consensus core), when to flush (the
 //! `WalAcceptor`), the control file ([`crate::control_file`]), or which segments may be removed
@@ -28,6 +30,7 @@
 // Storage: no `unwrap()` outside tests (see sk_core).
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+mod fill;
 pub mod open_files;
 pub mod prepare;
 pub mod reader;
@@ -46,6 +49,7 @@ use sk_core::storage::fs::{FileHandle, Fs, SyncKind};
 use sk_core::storage::{Error, Result, WalStore};
 use sk_core::types::Lsn;
 
+use fill::{Claim, Fill};
 pub use open_files::{DEFAULT_MAX_OPEN_SEGMENT_FILES, OpenFiles};
 use open_files::{OpenSegment, Slot};
 use prepare::Preparer;
@@ -143,6 +147,8 @@ pub struct WalFileStore {
     /// `(segno, offset)`: the `.partial` segment `segno` holds written blocks (WAL or zeros)
     /// up to `offset`; `None`: nothing known past `write_lsn`.
     allocated: Option<(u64, u64)>,
+    /// The background zero-fill of the open segment, if one was started (see [`fill`]).
+    fill: Option<Fill>,
     /// Whether the last flush covered less than [`ZERO_AHEAD_BELOW_BATCH`] (zeros are then
     /// written ahead of appends into sparse space).
     commit_bound: bool,
@@ -264,6 +270,7 @@ impl WalFileStore {
             pending_truncation: true,
             prep,
             allocated: None,
+            fill: None,
             commit_bound: false,
         })
     }
@@ -273,6 +280,14 @@ impl WalFileStore {
     #[cfg(test)]
     fn wait_for_prepared_segment(&self) {
         self.prep.wait();
+    }
+
+    /// Waits until the background zero-fill of the open segment (if any) has ended.
+    #[cfg(test)]
+    fn wait_for_fill(&self) {
+        if let Some(f) = &self.fill {
+            f.wait();
+        }
     }
 
     /// The timeline directory holding the segments.
@@ -415,6 +430,9 @@ impl WalFileStore {
     /// Creates segment `segno`: the prepared one renamed in if it is ready, else a new sparse
     /// (or zero-filled) file. Then starts preparing the next one if WAL arrives slowly.
     fn new_segment(&mut self, segno: u64) -> Result<(SegmentFile, PathBuf)> {
+        // The previous segment's fill is stopped (and waited for) before another segment is
+        // written.
+        self.fill = None;
         let created = match self.prep.take(segno)? {
             Some(prepared) => {
                 self.allocated = Some((segno, self.seg_size));
@@ -462,11 +480,14 @@ impl WalFileStore {
 
     /// Before WAL `[off, end)` of segment `segno` is accepted (`off` is `write_lsn`'s offset):
     /// for a commit-bound stream, makes sure the blocks under it are allocated by writing
-    /// [`ZERO_AHEAD`] bytes of zeros from the first byte not known to be allocated. Only ever
-    /// at or past `write_lsn`, where the segment holds no WAL (gathered bytes lie below it).
+    /// [`ZERO_AHEAD`] bytes of zeros from the first byte not known to be allocated, and then
+    /// starts zero-filling the rest of the segment in the background ([`fill`]), which spares
+    /// the later commits of this segment the zeros. Only ever at or past `write_lsn`, where the
+    /// segment holds no WAL (gathered bytes lie below it). With a fill running, every write
+    /// (commit-bound or not) first claims its range from it, so the fill never writes over WAL.
     /// Best effort: if the zeros cannot be written, the WAL write says why.
     fn zero_ahead(&mut self, segno: u64, off: u64, end: u64) {
-        if !self.commit_bound || self.opts.zero_fill {
+        if self.opts.zero_fill {
             return;
         }
         let known = match self.allocated {
@@ -476,16 +497,48 @@ impl WalFileStore {
         if end <= known {
             return;
         }
-        let from = known.max(off);
+        let to = if self.commit_bound {
+            (end + ZERO_AHEAD).min(self.seg_size)
+        } else {
+            end
+        };
+        let mut from = known.max(off);
+        if let Some(fill) = self.fill.as_ref().filter(|f| f.segno() == segno) {
+            match fill.claim(off, end, to) {
+                Claim::Allocated { allocated } => {
+                    self.allocated = Some((segno, allocated));
+                    return;
+                }
+                Claim::ZeroItself { from: f } => from = f,
+            }
+        }
         // `from < end`: `known < end` above, and `off < end`.
-        let to = (end + ZERO_AHEAD).min(self.seg_size);
+        if !self.commit_bound || from >= to {
+            return;
+        }
         let zeroed = self.with_segment(segno, |seg| {
             seg.dirty = true;
             write_zeros(&*seg.file, from, to, Zeros::Pages)
+                .map(|()| seg.path.clone())
                 .map_err(|e| Error::io(format!("writing zeros ahead in {}", seg.path.display()), e))
         });
         match zeroed {
-            Ok(()) => self.allocated = Some((segno, to)),
+            Ok(path) => {
+                self.allocated = Some((segno, to));
+                let filling = self.fill.as_ref().is_some_and(|f| f.segno() == segno);
+                if !filling && !self.opts.no_sync && to < self.seg_size {
+                    // The previous segment's fill ended with it (dropped, joined).
+                    self.fill = None;
+                    self.fill = Fill::start(
+                        &self.opts.fs,
+                        &path,
+                        segno,
+                        to,
+                        self.seg_size,
+                        &self.opts.background,
+                    );
+                }
+            }
             Err(e) => tracing::debug!("{e}"),
         }
     }
@@ -627,8 +680,10 @@ impl WalStore for WalFileStore {
             self.pending.clear();
         }
         self.pending_truncation = true;
-        // A sparse tail past `end` is deallocated below.
+        // A sparse tail past `end` is deallocated below; no fill may write there meanwhile
+        // (dropping it stops it and waits for it).
         self.allocated = None;
+        self.fill = None;
         // LSNs move first: the deletions below cannot be undone, so nothing may report WAL
         // past `end` from here on, even if truncation fails half-way.
         self.write_lsn = end;

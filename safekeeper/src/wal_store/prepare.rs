@@ -64,7 +64,7 @@ pub enum Task {
 }
 
 impl Task {
-    fn is_finished(&self) -> bool {
+    pub(super) fn is_finished(&self) -> bool {
         match self {
             Task::Thread(h) => h.is_finished(),
             Task::Done(_) => true,
@@ -72,7 +72,7 @@ impl Task {
     }
 
     /// Waits for the outcome; `None` if the job panicked.
-    fn join(self) -> Option<Result<()>> {
+    pub(super) fn join(self) -> Option<Result<()>> {
         match self {
             Task::Thread(h) => h.join().ok(),
             Task::Done(r) => Some(r),
@@ -142,6 +142,11 @@ impl Background {
     /// Preparations on `runner`.
     pub fn new(runner: Arc<dyn Runner>) -> Background {
         Background(runner)
+    }
+
+    /// The runner itself.
+    pub(super) fn runner(&self) -> &dyn Runner {
+        &*self.0
     }
 }
 

@@ -5,7 +5,7 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use sk_core::storage::fs::FileSystem;
+use sk_core::storage::fs::{FileSystem, OpenMode};
 
 use super::*;
 use pg_wal::{RecordPos, WalGenerator};
@@ -1214,6 +1214,135 @@ fn a_commit_bound_stream_gets_zeros_written_ahead_and_keeps_every_byte() {
             "blocks past the end of WAL are allocated ahead: {alloc} allocated, WAL ends at {written}"
         );
     });
+}
+
+/// The first commit into a sparse segment zeroes a little ahead inline and leaves the rest of
+/// the segment to the background fill: once it ends, every block of the segment is allocated
+/// (zero-ahead alone allocates [`ZERO_AHEAD`] at a time, as the stream reaches it).
+#[test]
+fn a_commit_bound_stream_gets_the_rest_of_its_sparse_segment_filled_in_the_background() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Lsn(SEG + 8192);
+    let mut s = fresh(dir.path(), start);
+    let (bytes, pos) = gen_wal(start, &[8000; 4]);
+    let end = write_flushing_every(&mut s, start, &bytes, &pos, 1);
+    s.wait_for_fill();
+    assert_eq!(
+        allocated_bytes(dir.path(), 1),
+        SEG,
+        "the whole segment is allocated after four commits (WAL ends at {})",
+        end.segment_offset(SEG)
+    );
+    drop(s);
+    assert_recovers(dir.path(), pos[0].end, opts(), start, &bytes);
+}
+
+/// A runner whose fills rest long after every piece: the commit-bound writer overtakes the fill
+/// again and again, so every write must claim its range from it first.
+#[derive(Debug)]
+struct SlowFill;
+
+impl Runner for SlowFill {
+    fn now(&self) -> std::time::Instant {
+        std::time::Instant::now()
+    }
+
+    fn write_back_pause(&self) -> Duration {
+        Duration::from_millis(3)
+    }
+
+    fn spawn(&self, job: prepare::Job) -> Option<prepare::Task> {
+        Some(prepare::Task::Thread(std::thread::spawn(job)))
+    }
+}
+
+/// The real file system, with every write of zeros at a 64 KiB boundary (where a background
+/// fill's pieces start) waiting 2 ms first: a fill's piece stays in flight, claimed and not yet
+/// written, long enough for the writer to reach it.
+#[derive(Debug)]
+struct SlowWriteBack(Fs);
+
+#[derive(Debug)]
+struct SlowWriteBackFile(Box<dyn FileHandle>);
+
+impl FileHandle for SlowWriteBackFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
+        self.0.read_at(buf, off)
+    }
+    fn write_all_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        if off.is_multiple_of(64 << 10) && buf.iter().all(|b| *b == 0) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        self.0.write_all_at(buf, off)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn sync(&self, kind: SyncKind) -> std::io::Result<()> {
+        self.0.sync(kind)
+    }
+}
+
+impl FileSystem for SlowWriteBack {
+    fn open(&self, path: &Path, mode: OpenMode) -> std::io::Result<Box<dyn FileHandle>> {
+        Ok(Box::new(SlowWriteBackFile(self.0.open(path, mode)?)))
+    }
+    fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+        self.0.rename(from, to)
+    }
+    fn remove_file(&self, path: &Path) -> std::io::Result<()> {
+        self.0.remove_file(path)
+    }
+    fn create_dir_all(&self, path: &Path) -> std::io::Result<()> {
+        self.0.create_dir_all(path)
+    }
+    fn remove_dir_all(&self, path: &Path) -> std::io::Result<()> {
+        self.0.remove_dir_all(path)
+    }
+    fn list_dir(&self, path: &Path) -> std::io::Result<Vec<String>> {
+        self.0.list_dir(path)
+    }
+    fn exists(&self, path: &Path) -> bool {
+        self.0.exists(path)
+    }
+    fn is_dir(&self, path: &Path) -> bool {
+        self.0.is_dir(path)
+    }
+    fn sync_dir(&self, path: &Path) -> std::io::Result<()> {
+        self.0.sync_dir(path)
+    }
+}
+
+/// The background fill and the writer race over three segments (real files, real threads, the
+/// writer overtaking the fill): no zero ever lands on accepted WAL, every byte reads back and
+/// recovers, whether the writer waits for the fill's piece, claims past it or finds its blocks
+/// written.
+#[test]
+fn the_background_fill_never_writes_over_wal_while_the_writer_overtakes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = WalFileOptions {
+        background: Background::new(std::sync::Arc::new(SlowFill)),
+        fs: Fs::custom(std::sync::Arc::new(SlowWriteBack(Fs::real()))),
+        ..opts()
+    };
+    let start = Lsn(SEG + 8192);
+    let mut s = fresh_with(dir.path(), start, o.clone());
+    // Varied sizes: some writes are gathered, some land inside the fill's piece.
+    let sizes: Vec<usize> = (0..420).map(|i| 2000 + (i * 3779) % 14000).collect();
+    let (bytes, pos) = gen_wal(start, &sizes);
+    let end = write_flushing_every(&mut s, start, &bytes, &pos, 1);
+    assert!(
+        end.segment_number(SEG) >= 4,
+        "three segments written, up to {end}"
+    );
+    let mut back = Vec::new();
+    s.read_wal(start, end, &mut back).unwrap();
+    assert!(
+        back == bytes,
+        "the WAL read back differs from what was written"
+    );
+    drop(s);
+    assert_recovers(dir.path(), pos[0].end, o, start, &bytes);
 }
 
 #[test]
