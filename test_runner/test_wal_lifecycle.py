@@ -32,7 +32,7 @@ from fixtures.daemon import (
 )
 from fixtures.ledger import acked, ledger, verify
 from fixtures.pg import WalProposerRelay
-from fixtures.tools import before, receivewal
+from fixtures.tools import before, receivewal, require_pg_tool
 
 SEG = 1 << 20
 PUSH = os.environ.get("WAL_LIFECYCLE_PUSH", "64M")
@@ -118,7 +118,10 @@ class S3Store:
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
         for page in pages:
             for o in page.get("Contents", []):
-                body = self.s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+                try:
+                    body = self.s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+                except self.s3.exceptions.NoSuchKey:
+                    continue  # removed since the listing (a superseded partial segment)
                 out[o["Key"].removeprefix(prefix)] = body
         return out
 
@@ -633,3 +636,92 @@ def test_disk_limit_holds_against_an_unpaced_push(safekeeper_factory, tmp_path):
     finally:
         proposer.kill()
         proposer.wait()
+
+
+PARTIAL_RE = re.compile(r"^([0-9A-F]{24})_([0-9A-F]{16})_([0-9A-F]{16})\.partial$")
+
+
+def partials(store) -> dict[int, tuple[str, bytes]]:
+    """The store's partial segments by end LSN: (object name, bytes)."""
+    out = {}
+    for name, body in store.objects().items():
+        m = PARTIAL_RE.match(name)
+        if m:
+            out[int(m.group(3), 16)] = (name, body)
+    return out
+
+
+@pytest.mark.promise(12)
+def test_a_quiet_timeline_has_its_committed_wal_mid_segment_in_the_store(
+    safekeeper_factory, store, tmp_path
+):
+    """Partial-segment backup (issue 30): a timeline whose commits stop mid-segment has the
+    committed part of that segment stored within --partial-backup-timeout, as one object named by
+    term and end LSN that real pg_waldump reads to its end; a later commit supersedes it and the
+    older object is removed."""
+    sks = []
+    for i in (1, 2, 3):
+        sk = safekeeper_factory(
+            i,
+            extra_args=[
+                "--remote-storage",
+                store.url,
+                "--partial-backup-timeout",
+                "1s",
+            ],
+            env=store.env,
+        )
+        sks.append(sk.start())
+    # Two complete segments and a third one started (the proposer starts at a segment start).
+    stats = push(sks, total=str(2 * SEG + 300_000))
+    start, end = lsn_int(stats["start_lsn"]), lsn_int(stats["commit_lsn"])
+    assert end % SEG != 0, stats
+    t0 = time.monotonic()
+    first = wait_until(
+        lambda: partials(store).get(end), f"a partial segment ending at {end:#x}", timeout=60
+    )
+    waited = time.monotonic() - t0
+    name, body = first
+    segno = end // SEG
+    assert name.startswith(seg_name(segno)), name
+    assert len(body) == end % SEG, (name, len(body))
+    local = (timeline_dir(sks[0]) / (seg_name(segno) + ".partial")).read_bytes()
+    assert body == local[: end % SEG], "the partial object differs from the committed WAL"
+    # The complete segments are stored as before, and no partial object is taken for one.
+    backed_up_to(sks, end)
+    assert seg_name(segno) not in store.objects()
+    # pg_waldump reads the stored WAL (the partial object, completed with zeros as a segment
+    # file) up to its end.
+    wal = tmp_path / "from-store"
+    wal.mkdir()
+    (wal / seg_name(segno)).write_bytes(body + bytes(SEG - len(body)))
+    waldump = require_pg_tool("pg_waldump")
+    seg_start = fmt_lsn(segno * SEG)
+    out = subprocess.run(
+        [waldump, "-p", str(wal), "-s", seg_start, "-e", fmt_lsn(end), seg_name(segno)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("rmgr:") > 10, out.stdout[-2000:]
+
+    # More WAL in the same segment: a new partial object, and the old one goes.
+    stats = push(sks, total="100000")
+    end2 = lsn_int(stats["commit_lsn"])
+    assert end2 // SEG == segno and end2 > end, (hex(end), hex(end2))
+    wait_until(
+        lambda: set(partials(store)) == {end2},
+        f"only the partial segment ending at {end2:#x} left",
+        timeout=60,
+    )
+    total = 0
+    for sk in sks:
+        m = re.search(
+            r'^safekeeper_partial_backups_total\{outcome="uploaded"\} (\d+)',
+            requests.get(f"{sk.http}/metrics", timeout=5).text,
+            re.M,
+        )
+        total += int(m.group(1)) if m else 0
+    assert total >= 2, total
+    print(f"partial segment stored {waited:.1f} s after the last commit (timeout 1 s)")
+    assert start < end

@@ -165,6 +165,13 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_BACKPRESSURE_READERS", default_value = "*")]
     pub backpressure_readers: crate::feedback::RequiredReaders,
 
+    /// With remote storage: committed WAL that no stored segment holds yet is uploaded as a
+    /// partial segment (its committed part, an object of its own) once it has waited this long
+    /// with no new complete segment backed up, so a timeline that goes quiet mid-segment has
+    /// its committed WAL in the store within this time (neon: 15 min). `0`: never.
+    #[arg(long, env = "SAFEKEEPER_PARTIAL_BACKUP_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub partial_backup_timeout: Duration,
+
     /// Most segment uploads (or verifications) in progress at once on the node.
     #[arg(long, env = "SAFEKEEPER_BACKUP_PARALLELISM", default_value_t = 4,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
@@ -251,6 +258,7 @@ impl Conf {
             remote_storage: None,
             wal_keep_size: 128 << 20,
             backup_parallelism: 4,
+            partial_backup_timeout: Duration::from_secs(300),
             remote_read_budget: 64 << 20,
             max_reader_hold: 0,
             backpressure_readers: Default::default(),

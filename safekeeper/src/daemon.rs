@@ -312,6 +312,8 @@ pub async fn run(
             backup,
             wal_keep_size: conf.wal_keep_size,
             supervise_every: LIFECYCLE_TICK,
+            partial_timeout: (!conf.partial_backup_timeout.is_zero())
+                .then_some(conf.partial_backup_timeout),
         },
         cancel.clone(),
     ));

@@ -46,6 +46,8 @@ pub struct Settings {
     pub wal_keep_size: u64,
     /// How often the supervisor looks for new timelines and pending deletions.
     pub supervise_every: Duration,
+    /// `--partial-backup-timeout` (`None`: off).
+    pub partial_timeout: Option<Duration>,
 }
 
 /// The supervisor: a driver for every timeline of `timelines`, remote deletions after
@@ -148,6 +150,7 @@ pub fn config_for(tl: &Timeline, settings: &Settings) -> Config {
         remote: settings.backup.is_some(),
         parallelism: settings.backup.as_ref().map_or(1, |b| b.parallelism),
         save_interval: SAVE_INTERVAL,
+        partial_timeout: settings.partial_timeout,
     }
 }
 
@@ -250,6 +253,14 @@ fn fallback_of(action: &Action) -> Event {
         },
         Action::Save => Event::Saved { ok: false },
         Action::Remove { .. } => Event::Removed { first_local: 0 },
+        Action::UploadPartial { upto, .. } => Event::UploadedPartial {
+            upto: *upto,
+            ok: false,
+        },
+        Action::RemovePartials { below } => Event::RemovedPartials {
+            below: *below,
+            ok: false,
+        },
         _ => Event::Tick(Duration::ZERO),
     }
 }
@@ -318,6 +329,36 @@ async fn perform(tl: Arc<Timeline>, settings: Settings, action: Action) -> Event
                 first_local: tl.removed_below(),
             }
         }
+        Action::UploadPartial {
+            upto, valid_from, ..
+        } => {
+            let ok = match &settings.backup {
+                Some(b) => b.upload_partial(&tl, upto, valid_from).await.is_ok(),
+                None => false,
+            };
+            Event::UploadedPartial { upto, ok }
+        }
+        Action::RemovePartials { below } => {
+            let ok = match &settings.backup {
+                Some(b) => match b
+                    .storage
+                    .remove_partials_below(&tl.ttid, tl.seg_size, below)
+                    .await
+                {
+                    Ok(n) => {
+                        metrics::PARTIAL_BACKUPS_REMOVED.inc_by(n as u64);
+                        true
+                    }
+                    Err(e) => {
+                        metrics::BACKUP_ERRORS.inc();
+                        tracing::warn!(%below, "removing superseded partial segments failed (retried): {e:#}");
+                        false
+                    }
+                },
+                None => false,
+            };
+            Event::RemovedPartials { below, ok }
+        }
         Action::Missing { .. } | Action::Stop | Action::Finished => Event::Tick(Duration::ZERO),
     }
 }
@@ -385,6 +426,7 @@ mod tests {
             backup: None,
             wal_keep_size: 0,
             supervise_every: Duration::from_secs(1),
+            partial_timeout: None,
         };
         let job = tokio::spawn(drive(tl.clone(), settings, CancellationToken::new()));
         tokio::task::yield_now().await;

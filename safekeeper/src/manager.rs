@@ -19,6 +19,13 @@
 //!   else it is reported missing, never retried from a file that is gone.
 //! - **Nothing is uploaded before the store was listed once** (a segment another node stored
 //!   is verified instead of uploaded, see [`crate::wal_backup`]).
+//! - **A quiet timeline's committed WAL reaches the store within the partial-backup timeout.**
+//!   When committed WAL above every stored complete segment has waited `partial_timeout`
+//!   without a new complete segment being backed up, the committed part of its segment is
+//!   uploaded as a partial object (named by term and end LSN, never taken for a complete
+//!   segment; conditional create, so nodes racing store it once), then this node's superseded
+//!   partial objects are removed. Only WAL below both the commit LSN and this node's flush LSN
+//!   is uploaded: committed, durable here, identical on every node.
 //! - **A deleted timeline stops**: every action in flight is aborted and awaited before the
 //!   core reports it finished; its remote objects are then deleted by the node
 //!   ([`crate::lifecycle`]), before a timeline with the same ids may exist again.
@@ -58,6 +65,10 @@ pub struct Config {
     pub parallelism: usize,
     /// In-memory LSNs older than this are saved even if they moved little.
     pub save_interval: Duration,
+    /// Committed WAL not in a stored complete segment is uploaded as a partial segment after
+    /// waiting this long with no new complete segment backed up (`--partial-backup-timeout`);
+    /// `None`: never. Only with `remote`.
+    pub partial_timeout: Option<Duration>,
 }
 
 /// A timeline's LSNs that are persisted lazily.
@@ -110,6 +121,20 @@ pub enum Event {
         /// The first segment still local.
         first_local: u64,
     },
+    /// A partial upload ([`Action::UploadPartial`]) of the WAL below `upto` finished.
+    UploadedPartial {
+        /// The end of the WAL it held.
+        upto: Lsn,
+        /// Whether it is in the store now.
+        ok: bool,
+    },
+    /// A removal of partial objects ([`Action::RemovePartials`]) finished.
+    RemovedPartials {
+        /// The bound it was given.
+        below: Lsn,
+        /// Whether every superseded object is gone.
+        ok: bool,
+    },
     /// The timeline was deleted.
     Deleted,
     /// Every action in flight was aborted and has ended (after [`Action::Stop`]).
@@ -146,6 +171,23 @@ pub enum Action {
     Missing {
         /// The segment.
         segno: u64,
+    },
+    /// Upload the WAL of segment `segno` below `upto` (mid-segment, committed and durable
+    /// here) as a partial object; its bytes before `valid_from` are not this node's WAL. Answer
+    /// [`Event::UploadedPartial`].
+    UploadPartial {
+        /// The segment.
+        segno: u64,
+        /// End of the WAL uploaded.
+        upto: Lsn,
+        /// Offset of this node's first WAL byte in it (0 but for the first segment).
+        valid_from: usize,
+    },
+    /// Remove this timeline's partial objects whose WAL ends below `below` (superseded by a
+    /// longer partial object or by complete segments). Answer [`Event::RemovedPartials`].
+    RemovePartials {
+        /// Objects ending below this go.
+        below: Lsn,
     },
     /// Abort every action in flight and answer [`Event::Stopped`] once they have ended.
     Stop,
@@ -193,7 +235,30 @@ pub struct ManagerCore {
     /// A removal that readers' holds cut short is tried again from then on.
     remove_again_at: Duration,
     last_save: Duration,
+    partial: Partial,
     phase: Phase,
+}
+
+/// Partial-segment backup's state (in memory: after a restart the partial object is uploaded
+/// again, which finds an identical one stored or stores a longer one).
+#[derive(Debug)]
+struct Partial {
+    /// End of the longest partial object this node stored.
+    stored: Lsn,
+    /// The upload in flight, by its end.
+    uploading: Option<Lsn>,
+    /// Since when committed WAL that no stored object holds has waited (reset by every complete
+    /// segment backed up).
+    waiting_since: Option<Duration>,
+    /// The complete-segment backup LSN last seen (a change resets the wait).
+    backup_lsn: Lsn,
+    /// A failed upload is retried from then on.
+    retry_at: Duration,
+    backoff: Duration,
+    /// A removal of superseded objects is in flight.
+    removing: bool,
+    /// Partial objects ending below this were removed.
+    removed_below: Lsn,
 }
 
 impl ManagerCore {
@@ -216,6 +281,16 @@ impl ManagerCore {
             removing: None,
             remove_again_at: Duration::ZERO,
             last_save: Duration::ZERO,
+            partial: Partial {
+                stored: Lsn::INVALID,
+                uploading: None,
+                waiting_since: None,
+                backup_lsn: obs.inmem.backup_lsn,
+                retry_at: Duration::ZERO,
+                backoff: FIRST_BACKOFF,
+                removing: false,
+                removed_below: Lsn::INVALID,
+            },
             phase: Phase::Running,
         }
     }
@@ -263,6 +338,23 @@ impl ManagerCore {
                     self.remove_again_at = self.now + REMOVE_AGAIN_AFTER;
                 }
             }
+            Event::UploadedPartial { upto, ok } => {
+                self.partial.uploading = None;
+                if ok {
+                    self.partial.stored = self.partial.stored.max(upto);
+                    self.partial.waiting_since = None;
+                    self.partial.backoff = FIRST_BACKOFF;
+                } else {
+                    self.partial.retry_at = self.now + self.partial.backoff;
+                    self.partial.backoff = (self.partial.backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+            Event::RemovedPartials { below, ok } => {
+                self.partial.removing = false;
+                if ok {
+                    self.partial.removed_below = self.partial.removed_below.max(below);
+                }
+            }
             Event::Deleted => {
                 if self.phase == Phase::Running {
                     self.phase = Phase::Stopping;
@@ -307,6 +399,14 @@ impl ManagerCore {
         }
         if !self.saving && self.obs.inmem != self.obs.persisted {
             consider(self.last_save + self.cfg.save_interval);
+        }
+        if let (Some(timeout), Some(since), None) = (
+            self.cfg.partial_timeout,
+            self.partial.waiting_since,
+            self.partial.uploading,
+        ) && self.cfg.remote
+        {
+            consider((since + timeout).max(self.partial.retry_at));
         }
         at
     }
@@ -357,6 +457,55 @@ impl ManagerCore {
         }
         if self.cfg.remote {
             self.backup(out);
+            self.partial_backup(out);
+        }
+    }
+
+    /// Partial-segment backup (see the module docs).
+    fn partial_backup(&mut self, out: &mut Vec<Action>) {
+        let seg = self.cfg.seg_size;
+        let Some(timeout) = self.cfg.partial_timeout else {
+            return;
+        };
+        if self.listing != Listing::Done {
+            return;
+        }
+        let backed = self.obs.inmem.backup_lsn;
+        if backed != self.partial.backup_lsn {
+            // A new complete segment: the WAL is moving, what waited is (mostly) stored.
+            self.partial.backup_lsn = backed;
+            self.partial.waiting_since = None;
+        }
+        let p = &mut self.partial;
+        // Superseded objects: below this node's longest one, and below the complete segments.
+        let below = p.stored.max(backed);
+        if p.stored.is_valid() && !p.removing && below > p.removed_below {
+            p.removing = true;
+            out.push(Action::RemovePartials { below });
+        }
+        let start = self.obs.wal_start_lsn;
+        let upto = self.obs.inmem.commit_lsn.min(self.obs.flush_lsn);
+        let segno = upto.segment_number(seg);
+        let waiting = start.is_valid()
+            && upto > start
+            && upto.segment_offset(seg) != 0
+            && upto > p.stored.max(backed);
+        if !waiting {
+            p.waiting_since = None;
+            return;
+        }
+        let since = *p.waiting_since.get_or_insert(self.now);
+        if p.uploading.is_none() && self.now >= since + timeout && self.now >= p.retry_at {
+            p.uploading = Some(upto);
+            out.push(Action::UploadPartial {
+                segno,
+                upto,
+                valid_from: if segno == start.segment_number(seg) {
+                    start.segment_offset(seg) as usize
+                } else {
+                    0
+                },
+            });
         }
     }
 

@@ -165,6 +165,32 @@ pub static BACKUP_SEGMENTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_partial_backups_total{outcome}`: partial segments (the committed part of a
+/// segment not yet complete) backed up: `uploaded` here, or found stored and `verified`.
+pub static PARTIAL_BACKUPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "safekeeper_partial_backups_total",
+        "Partial WAL segments backed up: uploaded here, or found stored and verified identical",
+        &["outcome"],
+    )
+});
+
+/// `safekeeper_partial_backup_bytes_total`: WAL bytes this node stored as partial segments.
+pub static PARTIAL_BACKUP_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_partial_backup_bytes_total",
+        "WAL bytes this node stored in remote storage as partial segments",
+    )
+});
+
+/// `safekeeper_partial_backups_removed_total`: superseded partial objects this node removed.
+pub static PARTIAL_BACKUPS_REMOVED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_partial_backups_removed_total",
+        "Superseded partial WAL segments removed from remote storage",
+    )
+});
+
 /// `safekeeper_backup_errors_total`: failed segment uploads or verifications (each retried).
 pub static BACKUP_ERRORS: LazyLock<IntCounter> = LazyLock::new(|| {
     counter(
@@ -259,6 +285,9 @@ pub fn register() {
     LazyLock::force(&PROPOSER_MESSAGES);
     LazyLock::force(&BACKUP_UPLOADED_BYTES);
     LazyLock::force(&BACKUP_SEGMENTS);
+    LazyLock::force(&PARTIAL_BACKUPS);
+    LazyLock::force(&PARTIAL_BACKUP_BYTES);
+    LazyLock::force(&PARTIAL_BACKUPS_REMOVED);
     LazyLock::force(&BACKUP_ERRORS);
     LazyLock::force(&BACKUP_SECONDS);
     LazyLock::force(&WAL_REMOVED_SEGMENTS);

@@ -14,6 +14,11 @@
 //! With `file://`, an object is fsynced (file and directories) before it counts as stored:
 //! `object_store`'s local store renames its objects in without syncing them.
 //!
+//! Partial segments (the committed part of a segment not yet complete, `--partial-backup-timeout`)
+//! are objects of their own, `<segment name>_<term>_<end LSN>.partial` (16 hex digits each):
+//! never parsed as a complete segment, and each name holds one content (the WAL of that term
+//! below that end), so they are stored with the same conditional create and verification.
+//!
 //! Not here: when segments are backed up ([`crate::manager`], [`crate::wal_backup`]).
 
 use std::path::PathBuf;
@@ -25,7 +30,7 @@ use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 use pg_wal::format::{parse_xlog_file_name, xlog_file_name};
-use sk_core::types::TenantTimelineId;
+use sk_core::types::{Lsn, TenantTimelineId};
 use tokio::sync::Semaphore;
 
 use crate::metrics;
@@ -349,6 +354,115 @@ impl RemoteStorage {
         Ok(outcome)
     }
 
+    fn partial_object(
+        &self,
+        ttid: &TenantTimelineId,
+        segno: u64,
+        seg_size: u64,
+        term: u64,
+        upto: Lsn,
+    ) -> ObjPath {
+        ObjPath::from(format!(
+            "{}/{}",
+            self.timeline_key(ttid),
+            partial_name(segno, seg_size, term, upto)
+        ))
+    }
+
+    /// Stores the committed part of segment `segno` (`data`: its bytes from 0 to `upto`'s
+    /// offset) as a partial object of `term`, unless an object of that name is stored, which
+    /// must then equal `data` from `valid_from` on.
+    pub async fn backup_partial(
+        &self,
+        ttid: &TenantTimelineId,
+        seg_size: u64,
+        term: u64,
+        upto: Lsn,
+        data: Bytes,
+        valid_from: usize,
+    ) -> anyhow::Result<Outcome> {
+        let segno = upto.segment_number(seg_size);
+        let path = self.partial_object(ttid, segno, seg_size, term, upto);
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
+        };
+        let outcome = match self
+            .store
+            .put_opts(&path, PutPayload::from(data.clone()), opts)
+            .await
+        {
+            Ok(_) => Outcome::Uploaded,
+            Err(object_store::Error::AlreadyExists { .. }) => Outcome::Verified,
+            Err(e) => return Err(e).with_context(|| format!("storing {path}")),
+        };
+        if outcome == Outcome::Verified {
+            let stored = self
+                .store
+                .get(&path)
+                .await
+                .with_context(|| format!("reading {path}"))?
+                .bytes()
+                .await
+                .with_context(|| format!("reading {path}"))?;
+            verify_stored(&path, &stored, &data, valid_from)?;
+        }
+        self.sync_local(&path).await?;
+        Ok(outcome)
+    }
+
+    /// The partial objects stored for `ttid`: `(segment, term, end LSN, object)`, by end LSN.
+    pub async fn list_partials(
+        &self,
+        ttid: &TenantTimelineId,
+        seg_size: u64,
+    ) -> anyhow::Result<Vec<(u64, u64, Lsn, ObjPath)>> {
+        let prefix = ObjPath::from(self.timeline_key(ttid));
+        let mut out = Vec::new();
+        let mut list = self.store.list(Some(&prefix));
+        while let Some(meta) = list.next().await {
+            let meta = meta.with_context(|| format!("listing {}", self.timeline_location(ttid)))?;
+            if let Some(name) = meta.location.filename()
+                && let Some((segno, term, upto)) = parse_partial_name(name, seg_size)
+            {
+                out.push((segno, term, upto, meta.location.clone()));
+            }
+        }
+        out.sort_unstable_by_key(|p| (p.2, p.1));
+        Ok(out)
+    }
+
+    /// The object at `path` (as listed), or `None` if it is not stored.
+    pub async fn read_object(&self, path: &ObjPath) -> anyhow::Result<Option<Bytes>> {
+        match self.store.get(path).await {
+            Ok(r) => Ok(Some(
+                r.bytes().await.with_context(|| format!("reading {path}"))?,
+            )),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {path}")),
+        }
+    }
+
+    /// Deletes `ttid`'s partial objects whose WAL ends below `below`; returns how many.
+    pub async fn remove_partials_below(
+        &self,
+        ttid: &TenantTimelineId,
+        seg_size: u64,
+        below: Lsn,
+    ) -> anyhow::Result<usize> {
+        let mut n = 0;
+        for (_, _, upto, path) in self.list_partials(ttid, seg_size).await? {
+            if upto >= below {
+                continue;
+            }
+            match self.store.delete(&path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => n += 1,
+                Err(e) => return Err(e).with_context(|| format!("deleting {path}")),
+            }
+        }
+        Ok(n)
+    }
+
     /// With `file://`: fsyncs the object's file and every directory from it up to the root.
     async fn sync_local(&self, path: &ObjPath) -> anyhow::Result<()> {
         let Some(root) = self.local_root.clone() else {
@@ -436,6 +550,33 @@ fn verify_stored(
         );
     }
     Ok(())
+}
+
+/// The object name of a partial segment: segment `segno`'s WAL of `term` below `upto`.
+pub fn partial_name(segno: u64, seg_size: u64, term: u64, upto: Lsn) -> String {
+    format!(
+        "{}_{term:016X}_{:016X}.partial",
+        xlog_file_name(1, segno, seg_size),
+        upto.0
+    )
+}
+
+/// `(segment, term, end LSN)` of a [`partial_name`]; `None` for any other name (complete
+/// segments included) and for an end outside its segment.
+pub fn parse_partial_name(name: &str, seg_size: u64) -> Option<(u64, u64, Lsn)> {
+    let rest = name.strip_suffix(".partial")?;
+    let mut parts = rest.split('_');
+    let (seg, term, upto) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || term.len() != 16 || upto.len() != 16 {
+        return None;
+    }
+    let (segno, false) = parse_xlog_file_name(seg, seg_size)? else {
+        return None;
+    };
+    let term = u64::from_str_radix(term, 16).ok()?;
+    let upto = Lsn(u64::from_str_radix(upto, 16).ok()?);
+    (upto.segment_number(seg_size) == segno && upto.segment_offset(seg_size) != 0)
+        .then_some((segno, term, upto))
 }
 
 /// Where timeline `ttid`'s segments are in the store at `url` (its status's `remote_location`).

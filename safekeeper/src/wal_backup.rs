@@ -181,6 +181,59 @@ impl Backup {
     }
 }
 
+impl Backup {
+    /// Uploads the WAL of `tl` below `upto` in its segment (committed and durable here) as a
+    /// partial object of the term of `tl`'s newest WAL; bytes before `valid_from` are not this
+    /// node's WAL.
+    pub async fn upload_partial(
+        &self,
+        tl: &Arc<Timeline>,
+        upto: Lsn,
+        valid_from: usize,
+    ) -> anyhow::Result<Outcome> {
+        let attempt = async {
+            let _permit = self.permits.acquire().await.context("backup semaphore")?;
+            let seg_size = tl.seg_size;
+            let segno = upto.segment_number(seg_size);
+            let term = tl.positions().last_log_term.0;
+            let t = tl.clone();
+            let mut data = crate::blocking::spawn(move || t.read_segment_file(segno))
+                .await
+                .context("segment read task")?
+                .with_context(|| format!("reading segment {segno} for a partial backup"))?;
+            data.truncate(upto.segment_offset(seg_size) as usize);
+            let len = data.len() as u64;
+            let outcome = self
+                .storage
+                .backup_partial(
+                    &tl.ttid,
+                    seg_size,
+                    term,
+                    upto,
+                    Bytes::from(data),
+                    valid_from,
+                )
+                .await?;
+            let label = match outcome {
+                Outcome::Uploaded => {
+                    metrics::PARTIAL_BACKUP_BYTES.inc_by(len);
+                    "uploaded"
+                }
+                Outcome::Verified => "verified",
+            };
+            metrics::PARTIAL_BACKUPS.with_label_values(&[label]).inc();
+            tracing::info!(%upto, term, outcome = label, "partial segment backed up");
+            anyhow::Ok(outcome)
+        };
+        let r = attempt.await;
+        if let Err(e) = &r {
+            metrics::BACKUP_ERRORS.inc();
+            tracing::warn!(%upto, "backing up a partial segment failed (retried): {e:#}");
+        }
+        r
+    }
+}
+
 /// One reader's WAL from remote storage (issue 26, defect 6): ranges of at most
 /// [`REMOTE_READ_RANGE`] bytes, one buffered at a time and counted against the node's read
 /// budget before it is requested, so 200 readers below the local WAL hold at most

@@ -52,6 +52,8 @@ use crate::wal_backup::{Backup, RemoteStorage};
 
 const SEG: u64 = 1 << 20;
 const START: Lsn = Lsn(SEG);
+/// The simulated nodes' `--partial-backup-timeout` (a step moves the clock 20 ms to 2.5 s).
+const PARTIAL_TIMEOUT: Duration = Duration::from_secs(1);
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -223,7 +225,14 @@ impl Sim {
     /// Starts a manager for `tl` on node `i`, as the supervisor does.
     fn attach(&mut self, i: usize, tl: Arc<Timeline>) {
         tl.set_remote(self.backup.storage.clone());
-        let mut core = ManagerCore::new(cfg(), observe(&tl), tl.removed_below());
+        let mut core = ManagerCore::new(
+            Config {
+                partial_timeout: Some(PARTIAL_TIMEOUT),
+                ..cfg()
+            },
+            observe(&tl),
+            tl.removed_below(),
+        );
         let pending = core.step(Event::Tick(self.now));
         let node = &mut self.nodes[i];
         node.elected = 0;
@@ -458,6 +467,31 @@ impl Sim {
                 Event::Removed {
                     first_local: tl.removed_below(),
                 }
+            }
+            Action::UploadPartial {
+                upto, valid_from, ..
+            } => {
+                let ok = !self.store_down
+                    && self
+                        .rt
+                        .block_on(self.backup.upload_partial(&tl, upto, valid_from))
+                        .is_ok();
+                if ok {
+                    self.stats.partial_uploads += 1;
+                }
+                Event::UploadedPartial { upto, ok }
+            }
+            Action::RemovePartials { below } => {
+                let ok = !self.store_down
+                    && self
+                        .rt
+                        .block_on(
+                            self.backup
+                                .storage
+                                .remove_partials_below(&tl.ttid, SEG, below),
+                        )
+                        .is_ok();
+                Event::RemovedPartials { below, ok }
             }
             a => panic!("seed {}: {a:?} is not performed by the driver", self.seed),
         };
@@ -840,6 +874,7 @@ impl Sim {
 
     /// The removal invariants (module docs), on every node.
     fn check(&mut self) {
+        self.check_partials();
         for node in &self.nodes {
             let Some(live) = &node.live else { continue };
             let tl = &live.tl;
@@ -915,6 +950,48 @@ impl Sim {
                 self.replay_hint()
             );
             segno += 1;
+        }
+        self.check_partials();
+    }
+
+    /// Every partial object in the store holds the proposer's committed WAL, byte for byte,
+    /// from its segment's start (or the timeline's) to its end.
+    fn check_partials(&self) {
+        let storage = &self.backup.storage;
+        let partials = self
+            .rt
+            .block_on(storage.list_partials(&self.ttid, SEG))
+            .expect("listing the in-memory store");
+        for (segno, term, upto, path) in partials {
+            assert!(
+                upto <= self.proposer.committed && term <= self.proposer.term,
+                "seed {}: partial object {path} (term {term}) ends past the committed {}                  (term {})\n{}",
+                self.seed,
+                self.proposer.committed,
+                self.proposer.term,
+                self.replay_hint()
+            );
+            let bytes = self
+                .rt
+                .block_on(storage.read_object(&path))
+                .expect("reading the in-memory store")
+                .expect("listed above");
+            let from = Lsn(segno * SEG).max(START);
+            let off = from.segment_offset(SEG) as usize;
+            assert_eq!(
+                bytes.len() as u64,
+                upto.segment_offset(SEG),
+                "seed {}: partial object {path}'s size",
+                self.seed
+            );
+            let want =
+                &self.proposer.sent[(from.0 - START.0) as usize..(upto.0 - START.0) as usize];
+            assert!(
+                &bytes[off..] == want,
+                "seed {}: partial object {path} differs from the committed WAL\n{}",
+                self.seed,
+                self.replay_hint()
+            );
         }
     }
 
@@ -1002,6 +1079,7 @@ impl std::ops::AddAssign for PullCounts {
 #[derive(Clone, Copy, Debug, Default)]
 struct Stats {
     removed: u64,
+    partial_uploads: u64,
     crashes: u64,
     terms: u64,
     replacements: u64,
@@ -1011,6 +1089,7 @@ struct Stats {
 impl std::ops::AddAssign for Stats {
     fn add_assign(&mut self, o: Stats) {
         self.removed += o.removed;
+        self.partial_uploads += o.partial_uploads;
         self.crashes += o.crashes;
         self.terms += o.terms;
         self.replacements += o.replacements;
@@ -1058,6 +1137,10 @@ fn run_seeds(n: usize, default: u64) {
     eprintln!("{n} nodes, {seeds} seeds: {total:?}");
     assert!(total.removed > seeds, "removal ran too rarely: {total:?}");
     assert!(total.crashes > seeds, "crashes ran too rarely: {total:?}");
+    assert!(
+        total.partial_uploads > seeds / 2,
+        "partial segments were uploaded too rarely: {total:?}"
+    );
     assert!(
         total.pulls.installed > seeds / 2
             && total.pulls.refused > 0

@@ -14,6 +14,7 @@ pub(super) fn cfg() -> Config {
         remote: true,
         parallelism: 2,
         save_interval: Duration::from_secs(5),
+        partial_timeout: None,
     }
 }
 
@@ -404,5 +405,136 @@ fn only_a_member_deletes_the_stores_objects() {
     assert_eq!(
         deletes_remote_objects(DeleteScope::Everywhere, false, None, NodeId(1)),
         Ok(false)
+    );
+}
+
+fn partial_uploads(actions: &[Action]) -> Vec<(u64, Lsn)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::UploadPartial { segno, upto, .. } => Some((*segno, *upto)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Partial-segment backup: committed WAL mid-segment waits the timeout (only while no complete
+/// segment is backed up), then its committed and locally durable part is uploaded; a success
+/// removes what it supersedes, a failure is retried after a backoff.
+#[test]
+fn committed_wal_mid_segment_is_uploaded_as_a_partial_segment_after_the_timeout() {
+    let timeout = Duration::from_secs(10);
+    let config = Config {
+        partial_timeout: Some(timeout),
+        ..cfg()
+    };
+    // Commit mid-segment 3; complete segments 1 and 2 backed up; this node flushed less than
+    // the commit it was told: only its durable WAL may go.
+    let l = lsns(3 * SEG + 5000, 3 * SEG, 3 * SEG);
+    let o = Observed {
+        flush_lsn: Lsn(3 * SEG + 4000),
+        ..obs(l, l)
+    };
+    let mut core = ManagerCore::new(config, o, 1);
+    let out = listed(&mut core, [1, 2]);
+    assert!(
+        partial_uploads(&out).is_empty(),
+        "not before the timeout: {out:?}"
+    );
+    assert_eq!(
+        core.next_wakeup(),
+        Some(timeout),
+        "it wakes for the timeout"
+    );
+    // A new complete segment resets the wait.
+    let l2 = lsns(3 * SEG + 5000, 3 * SEG, 3 * SEG);
+    let moved = Observed {
+        inmem: Lsns {
+            backup_lsn: Lsn(3 * SEG),
+            ..l2
+        },
+        ..o
+    };
+    core.step(Event::Tick(Duration::from_secs(6)));
+    core.step(Event::Observed(Observed {
+        inmem: Lsns {
+            backup_lsn: Lsn(2 * SEG),
+            ..l2
+        },
+        ..o
+    }));
+    let out = core.step(Event::Observed(moved));
+    assert!(partial_uploads(&out).is_empty(), "{out:?}");
+    let out = core.step(Event::Tick(Duration::from_secs(12)));
+    assert!(
+        partial_uploads(&out).is_empty(),
+        "the wait restarted at 6 s: {out:?}"
+    );
+    let out = core.step(Event::Tick(Duration::from_secs(16)));
+    assert_eq!(
+        partial_uploads(&out),
+        vec![(3, Lsn(3 * SEG + 4000))],
+        "min(commit, flush): {out:?}"
+    );
+    // One at a time.
+    let out = core.step(Event::Tick(Duration::from_secs(17)));
+    assert!(partial_uploads(&out).is_empty(), "{out:?}");
+    // A failure is retried after the backoff.
+    let out = core.step(Event::UploadedPartial {
+        upto: Lsn(3 * SEG + 4000),
+        ok: false,
+    });
+    assert!(partial_uploads(&out).is_empty(), "{out:?}");
+    let out = core.step(Event::Tick(Duration::from_secs(17) + FIRST_BACKOFF));
+    assert_eq!(
+        partial_uploads(&out),
+        vec![(3, Lsn(3 * SEG + 4000))],
+        "{out:?}"
+    );
+    // A success removes the superseded objects and waits for new committed WAL.
+    let out = core.step(Event::UploadedPartial {
+        upto: Lsn(3 * SEG + 4000),
+        ok: true,
+    });
+    assert!(
+        out.contains(&Action::RemovePartials {
+            below: Lsn(3 * SEG + 4000)
+        }),
+        "{out:?}"
+    );
+    assert_eq!(core.next_wakeup(), None, "nothing waits: {out:?}");
+    // Without a timeout (or at a segment boundary) nothing is ever uploaded as partial.
+    let mut core = ManagerCore::new(cfg(), o, 1);
+    listed(&mut core, [1, 2]);
+    let out = core.step(Event::Tick(Duration::from_secs(3600)));
+    assert!(partial_uploads(&out).is_empty(), "{out:?}");
+}
+
+#[test]
+fn partial_object_names_carry_term_and_end_and_are_never_complete_segments() {
+    use crate::remote_storage::{parse_partial_name, partial_name};
+    let seg = 16 << 20;
+    let name = partial_name(5, seg, 7, Lsn(5 * seg + 8192));
+    assert_eq!(
+        name,
+        "000000010000000000000005_0000000000000007_0000000005002000.partial"
+    );
+    assert_eq!(
+        parse_partial_name(&name, seg),
+        Some((5, 7, Lsn(5 * seg + 8192)))
+    );
+    for other in [
+        "000000010000000000000005",
+        "000000010000000000000005.partial",
+        "000000010000000000000005_0000000000000007_0000000005000000.partial",
+        "000000010000000000000005_0000000000000007_0000000006002000.partial",
+        "000000010000000000000005_7_5002000.partial",
+    ] {
+        assert_eq!(parse_partial_name(other, seg), None, "{other}");
+    }
+    assert_eq!(
+        pg_wal::format::parse_xlog_file_name(&name, seg),
+        None,
+        "a complete-segment parser takes no partial object"
     );
 }
