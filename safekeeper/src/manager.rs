@@ -259,6 +259,15 @@ struct Partial {
     removing: bool,
     /// Partial objects ending below this were removed.
     removed_below: Lsn,
+    /// A failed removal is retried from then on, and the delay after the next failure.
+    remove_retry_at: Duration,
+    remove_backoff: Duration,
+    /// Whether objects of an earlier run (unknown to `stored`) were removed once: done after
+    /// the timeline first backs up a new complete segment (an idle timeline's newest object
+    /// stays).
+    swept: bool,
+    /// A complete segment was backed up since the manager started.
+    moved: bool,
 }
 
 impl ManagerCore {
@@ -290,6 +299,10 @@ impl ManagerCore {
                 backoff: FIRST_BACKOFF,
                 removing: false,
                 removed_below: Lsn::INVALID,
+                remove_retry_at: Duration::ZERO,
+                remove_backoff: FIRST_BACKOFF,
+                swept: false,
+                moved: false,
             },
             phase: Phase::Running,
         }
@@ -350,9 +363,15 @@ impl ManagerCore {
                 }
             }
             Event::RemovedPartials { below, ok } => {
-                self.partial.removing = false;
+                let p = &mut self.partial;
+                p.removing = false;
                 if ok {
-                    self.partial.removed_below = self.partial.removed_below.max(below);
+                    p.removed_below = p.removed_below.max(below);
+                    p.remove_backoff = FIRST_BACKOFF;
+                    p.swept = true;
+                } else {
+                    p.remove_retry_at = self.now + p.remove_backoff;
+                    p.remove_backoff = (p.remove_backoff * 2).min(MAX_BACKOFF);
                 }
             }
             Event::Deleted => {
@@ -407,6 +426,14 @@ impl ManagerCore {
         ) && self.cfg.remote
         {
             consider((since + timeout).max(self.partial.retry_at));
+        }
+        let p = &self.partial;
+        if self.cfg.remote
+            && !p.removing
+            && p.remove_retry_at > self.now
+            && ((p.stored.is_valid() && p.stored >= p.removed_below) || (p.moved && !p.swept))
+        {
+            consider(p.remove_retry_at);
         }
         at
     }
@@ -475,11 +502,21 @@ impl ManagerCore {
             // A new complete segment: the WAL is moving, what waited is (mostly) stored.
             self.partial.backup_lsn = backed;
             self.partial.waiting_since = None;
+            self.partial.moved = true;
         }
         let p = &mut self.partial;
+        let sweep = p.moved && !p.swept;
         // Superseded objects: below this node's longest one, and below the complete segments.
+        // Listed and removed only while something of this node's may be left (its longest
+        // object, until the complete segments pass it) or once for an earlier run's objects:
+        // not at every complete segment.
         let below = p.stored.max(backed);
-        if p.stored.is_valid() && !p.removing && below > p.removed_below {
+        let ours_left = p.stored.is_valid() && p.stored >= p.removed_below;
+        if (ours_left || sweep)
+            && !p.removing
+            && below > p.removed_below
+            && self.now >= p.remove_retry_at
+        {
             p.removing = true;
             out.push(Action::RemovePartials { below });
         }

@@ -428,9 +428,9 @@ fn committed_wal_mid_segment_is_uploaded_as_a_partial_segment_after_the_timeout(
         partial_timeout: Some(timeout),
         ..cfg()
     };
-    // Commit mid-segment 3; complete segments 1 and 2 backed up; this node flushed less than
-    // the commit it was told: only its durable WAL may go.
-    let l = lsns(3 * SEG + 5000, 3 * SEG, 3 * SEG);
+    // Commit mid-segment 3; complete segment 1 backed up (2 is stored, being verified); this
+    // node flushed less than the commit it was told: only its durable WAL may go.
+    let l = lsns(3 * SEG + 5000, 3 * SEG, 2 * SEG);
     let o = Observed {
         flush_lsn: Lsn(3 * SEG + 4000),
         ..obs(l, l)
@@ -456,15 +456,30 @@ fn committed_wal_mid_segment_is_uploaded_as_a_partial_segment_after_the_timeout(
         ..o
     };
     core.step(Event::Tick(Duration::from_secs(6)));
-    core.step(Event::Observed(Observed {
-        inmem: Lsns {
-            backup_lsn: Lsn(2 * SEG),
-            ..l2
-        },
-        ..o
-    }));
     let out = core.step(Event::Observed(moved));
     assert!(partial_uploads(&out).is_empty(), "{out:?}");
+    // The WAL moved: objects an earlier run left are swept once; a failed removal is retried
+    // after a backoff, never at once.
+    let sweep = Action::RemovePartials {
+        below: Lsn(3 * SEG),
+    };
+    assert!(out.contains(&sweep), "{out:?}");
+    let out = core.step(Event::RemovedPartials {
+        below: Lsn(3 * SEG),
+        ok: false,
+    });
+    assert!(!out.contains(&sweep), "{out:?}");
+    let out = core.step(Event::Tick(Duration::from_secs(6) + FIRST_BACKOFF));
+    assert!(out.contains(&sweep), "{out:?}");
+    let out = core.step(Event::RemovedPartials {
+        below: Lsn(3 * SEG),
+        ok: true,
+    });
+    assert!(
+        !out.iter()
+            .any(|a| matches!(a, Action::RemovePartials { .. })),
+        "{out:?}"
+    );
     let out = core.step(Event::Tick(Duration::from_secs(12)));
     assert!(
         partial_uploads(&out).is_empty(),
@@ -502,7 +517,40 @@ fn committed_wal_mid_segment_is_uploaded_as_a_partial_segment_after_the_timeout(
         }),
         "{out:?}"
     );
-    assert_eq!(core.next_wakeup(), None, "nothing waits: {out:?}");
+    core.step(Event::RemovedPartials {
+        below: Lsn(3 * SEG + 4000),
+        ok: true,
+    });
+    assert_eq!(core.next_wakeup(), None, "nothing waits");
+    // Later complete segments list nothing more once this node's object is behind them... but
+    // the one that passes it removes it.
+    let past = Observed {
+        inmem: lsns(4 * SEG + 10, 4 * SEG, 4 * SEG),
+        flush_lsn: Lsn(4 * SEG + 10),
+        ..o
+    };
+    let out = core.step(Event::Observed(past));
+    assert!(
+        out.contains(&Action::RemovePartials {
+            below: Lsn(4 * SEG)
+        }),
+        "{out:?}"
+    );
+    core.step(Event::RemovedPartials {
+        below: Lsn(4 * SEG),
+        ok: true,
+    });
+    let further = Observed {
+        inmem: lsns(5 * SEG + 10, 5 * SEG, 5 * SEG),
+        flush_lsn: Lsn(5 * SEG + 10),
+        ..o
+    };
+    let out = core.step(Event::Observed(further));
+    assert!(
+        !out.iter()
+            .any(|a| matches!(a, Action::RemovePartials { .. })),
+        "no listing per complete segment: {out:?}"
+    );
     // Without a timeout (or at a segment boundary) nothing is ever uploaded as partial.
     let mut core = ManagerCore::new(cfg(), o, 1);
     listed(&mut core, [1, 2]);

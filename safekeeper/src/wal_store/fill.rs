@@ -65,7 +65,6 @@ impl Shared {
 #[derive(Debug)]
 pub(super) struct Fill {
     segno: u64,
-    seg_size: u64,
     shared: Arc<Shared>,
     task: Option<Task>,
 }
@@ -112,10 +111,11 @@ impl Fill {
         let helper = shared.clone();
         let path = path.to_path_buf();
         let task = background.runner().spawn(Box::new(move || {
-            let result = fill(&helper, &*file, seg_size, pause);
-            helper.lock().ended = true;
-            helper.changed.notify_all();
-            result.map_err(|e| Error::io(format!("zero-filling {}", path.display()), e))
+            // Ended however the helper ends, a panic included: a writer waiting on its piece
+            // in flight must not wait forever.
+            let _ended = Ended(&helper);
+            fill(&helper, &*file, seg_size, pause)
+                .map_err(|e| Error::io(format!("zero-filling {}", path.display()), e))
         }));
         let Some(task) = task else {
             shared.lock().ended = true;
@@ -123,7 +123,6 @@ impl Fill {
         };
         Some(Fill {
             segno,
-            seg_size,
             shared,
             task: Some(task),
         })
@@ -148,13 +147,10 @@ impl Fill {
         }
         if end <= st.next {
             // Below `next` and not in flight: written.
-            let allocated = if st.ended || st.next >= self.seg_size {
-                st.next
-            } else {
-                // The helper's in-flight piece (if any) is at or past this; only what is
-                // certainly written counts.
-                st.in_flight.map_or(st.next, |(a, _)| a)
-            };
+            // The helper's piece in flight (its last one too) lies at or past `end`: only what
+            // is certainly written counts, or a later write past `allocated` would skip the
+            // claim and land under zeros still to come.
+            let allocated = st.in_flight.map_or(st.next, |(a, _)| a);
             return Claim::Allocated { allocated };
         }
         let from = st.next.max(off);
@@ -169,6 +165,24 @@ impl Fill {
             while !t.is_finished() {
                 std::thread::sleep(Duration::from_millis(1));
             }
+        }
+    }
+
+    /// A fill whose helper is in the given state (and runs nowhere): for the claim rules.
+    #[cfg(test)]
+    fn in_state(next: u64, in_flight: Option<(u64, u64)>) -> Fill {
+        Fill {
+            segno: 1,
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    next,
+                    in_flight,
+                    stop: false,
+                    ended: false,
+                }),
+                changed: Condvar::new(),
+            }),
+            task: None,
         }
     }
 
@@ -187,6 +201,19 @@ impl Fill {
 impl Drop for Fill {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Marks the helper ended (nothing in flight) when dropped.
+struct Ended<'a>(&'a Shared);
+
+impl Drop for Ended<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.in_flight = None;
+        st.ended = true;
+        drop(st);
+        self.0.changed.notify_all();
     }
 }
 
@@ -223,5 +250,59 @@ fn fill(
                 .0;
         }
         drop(st);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEG: u64 = 1 << 20;
+
+    /// While the helper writes its last piece, a write below it is told only what lies below
+    /// the piece is allocated: a later write across the piece must claim (and wait) again.
+    #[test]
+    fn the_last_piece_in_flight_is_not_reported_allocated() {
+        let a = SEG - PIECE;
+        let fill = Fill::in_state(SEG, Some((a, SEG)));
+        assert_eq!(
+            fill.claim(a - 8192, a, a),
+            Claim::Allocated { allocated: a }
+        );
+        // Nothing in flight: everything claimed counts.
+        let fill = Fill::in_state(3 * PIECE, None);
+        assert_eq!(
+            fill.claim(0, 8192, 8192),
+            Claim::Allocated {
+                allocated: 3 * PIECE
+            }
+        );
+        // Past the helper's claims: the writer zeroes from there and claims up to `to`.
+        let fill = Fill::in_state(PIECE, None);
+        assert_eq!(
+            fill.claim(PIECE + 100, PIECE + 8292, 2 * PIECE),
+            Claim::ZeroItself { from: PIECE + 100 }
+        );
+        assert_eq!(fill.shared.lock().next, 2 * PIECE);
+    }
+
+    /// A helper that panics mid-piece leaves nothing in flight: a writer waiting on that piece
+    /// goes on.
+    #[test]
+    fn a_helper_that_panics_releases_its_piece() {
+        let fill = Fill::in_state(2 * PIECE, Some((PIECE, 2 * PIECE)));
+        let shared = fill.shared.clone();
+        let helper = std::thread::spawn(move || {
+            let _ended = Ended(&shared);
+            std::thread::sleep(Duration::from_millis(20));
+            panic!("the helper dies mid-piece");
+        });
+        assert_eq!(
+            fill.claim(PIECE, PIECE + 8192, PIECE + 8192),
+            Claim::Allocated {
+                allocated: 2 * PIECE
+            }
+        );
+        assert!(helper.join().is_err());
     }
 }
