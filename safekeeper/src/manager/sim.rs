@@ -21,7 +21,7 @@
 //! - a deleted timeline's remote objects are gone before a timeline with the same ids exists
 //!   again, and while they are not, creating it is refused (also across restarts).
 //!
-//! Knobs: `MANAGER_SIM_SEEDS` (default 300 on three nodes, 300 on one) seeds of
+//! Knobs: `MANAGER_SIM_SEEDS` (default 1000 on three nodes, 1000 on one) seeds of
 //! `MANAGER_SIM_STEPS` (default 200) steps; `MANAGER_SIM_NODES` (default 3) nodes for the
 //! replay; `MANAGER_SIM_SEED=s` replays one (the `#[ignore]`d `manager_sim_replay_one_seed`),
 //! and a failure prints the command that does it.
@@ -1157,12 +1157,12 @@ fn run_seeds(n: usize, default: u64) {
 
 #[test]
 fn manager_sim_seeds_three_nodes() {
-    run_seeds(3, 300);
+    run_seeds(3, 1000);
 }
 
 #[test]
 fn manager_sim_seeds_one_node() {
-    run_seeds(1, 300);
+    run_seeds(1, 1000);
 }
 
 #[test]
