@@ -84,7 +84,7 @@ def test_http_data_routes_need_a_token_whose_scope_covers_them(authed, issuer):
     expired = issuer.token(exp=int(time.time()) - 60)
     forged = Issuer().token()
     for token, why in [(None, "missing"), (expired, "expired"), (forged, "none of our keys")]:
-        for route in ["/v1/timelines", TIMELINE_ROUTE]:
+        for route in ["/v1/timelines", "/v1/tenant/timeline", TIMELINE_ROUTE]:
             r = get(sk, route, token)
             assert r.status_code == 401, (route, why, r.text)
             assert why in r.text, r.text
@@ -95,13 +95,17 @@ def test_http_data_routes_need_a_token_whose_scope_covers_them(authed, issuer):
     assert get(sk, TIMELINE_ROUTE, mine).status_code == 200
     r = get(sk, TIMELINE_ROUTE, theirs)
     assert r.status_code == 403 and OTHER_TENANT in r.text, r.text
-    # A tenant token does not list every tenant's timelines.
-    r = get(sk, "/v1/timelines", mine)
-    assert r.status_code == 403 and "safekeeperdata" in r.text, r.text
+    # A tenant token does not list every tenant's timelines (nor their ids).
+    for route in ["/v1/timelines", "/v1/tenant/timeline"]:
+        r = get(sk, route, mine)
+        assert r.status_code == 403 and "safekeeperdata" in r.text, (route, r.text)
     r = get(sk, "/v1/timelines", pageserver)
     assert r.status_code == 403 and "scope" in r.text, r.text
     data = issuer.token()
     assert get(sk, "/v1/timelines", data).json()[0]["tenant_id"] == TENANT
+    assert get(sk, "/v1/tenant/timeline", data).json() == [
+        {"tenant_id": TENANT, "timeline_id": TIMELINE}
+    ]
     assert get(sk, TIMELINE_ROUTE, data).status_code == 200
     # Observability routes stay open by default (neon's choice).
     assert get(sk, "/v1/status").status_code == 200

@@ -94,9 +94,21 @@ def test_many_timelines_with_wal_fit_a_default_open_files_limit(safekeeper_facto
     t = time.monotonic()
     sk.start(timeout=60)
     startup = time.monotonic() - t
+    t = time.monotonic()
     timelines = requests.get(f"{sk.http}/v1/timelines", timeout=60).json()
+    status_seconds = time.monotonic() - t
     assert len(timelines) == n
     assert all(lsn_int(tl["flush_lsn"]) > 1 << 20 for tl in timelines)
+    # The cheap list: the same ids, nothing else.
+    t = time.monotonic()
+    r = requests.get(f"{sk.http}/v1/tenant/timeline", timeout=60)
+    list_seconds = time.monotonic() - t
+    r.raise_for_status()
+    ids = r.json()
+    assert all(set(x) == {"tenant_id", "timeline_id"} for x in ids), ids[:3]
+    assert sorted((x["tenant_id"], x["timeline_id"]) for x in ids) == sorted(
+        (tl["tenant_id"], tl["timeline_id"]) for tl in timelines
+    )
     loaded_rss = sk.rss_bytes()
     # Served: every timeline takes a new proposer and one more commit after the restart (its
     # segment is opened again), still under the cap.
@@ -116,7 +128,9 @@ def test_many_timelines_with_wal_fit_a_default_open_files_limit(safekeeper_facto
         f"{again['populate_seconds']:.1f} s; "
         f"RSS idle {idle_rss / 2**20:.1f} MiB, with {n} idle timelines "
         f"{loaded_rss / 2**20:.1f} MiB = {(loaded_rss - idle_rss) / n / 1024:.1f} KiB per "
-        f"timeline; most descriptors {watch.most} (cap {cap}, ulimit -n {NOFILE})"
+        f"timeline; most descriptors {watch.most} (cap {cap}, ulimit -n {NOFILE}); "
+        f"GET /v1/timelines {status_seconds * 1000:.0f} ms, GET /v1/tenant/timeline "
+        f"{list_seconds * 1000:.0f} ms ({len(r.content)} bytes)"
     )
 
 

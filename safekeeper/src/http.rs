@@ -212,6 +212,7 @@ async fn require_token(
 pub fn data_routes(state: &AppState) -> Router<Arc<AppState>> {
     let router = Router::new()
         .route("/v1/timelines", get(timelines))
+        .route("/v1/tenant/timeline", get(list_timelines))
         .route("/v1/tenant/{tenant_id}", delete(delete_tenant))
         .route("/v1/tenant/{tenant_id}/timeline", post(create_timeline))
         .route(
@@ -369,6 +370,29 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Status> {
 
 async fn timelines(State(state): State<Arc<AppState>>) -> Json<Vec<TimelineStatus>> {
     Json(state.timelines.all().iter().map(|t| t.status()).collect())
+}
+
+/// One timeline of [`list_timelines`].
+#[derive(serde::Serialize)]
+struct TimelineIds {
+    tenant_id: String,
+    timeline_id: String,
+}
+
+/// `GET /v1/tenant/timeline` (as neon's): every timeline's ids and nothing else, without
+/// touching any timeline's state (`/v1/timelines` gives each one's whole status).
+async fn list_timelines(State(state): State<Arc<AppState>>) -> Json<Vec<TimelineIds>> {
+    Json(
+        state
+            .timelines
+            .all()
+            .iter()
+            .map(|t| TimelineIds {
+                tenant_id: t.ttid.tenant_id.to_string(),
+                timeline_id: t.ttid.timeline_id.to_string(),
+            })
+            .collect(),
+    )
 }
 
 /// The timeline id of a route's path parameters (400 when malformed).
