@@ -138,6 +138,21 @@ def test_heap_pprof_names_our_functions(profiled, tmp_path):
     assert re.search(r"safekeeper::main|profiled_service::main|profiling::cpu::warm_up", top), top
 
 
+def test_a_daemon_started_by_a_relative_path_names_its_functions(safekeeper_factory, tmp_path):
+    """`target/release/safekeeper` run from the repository, as the README does: the main
+    executable's mapping then has a relative path, and its frames were left as bare addresses
+    (only libc was symbolized)."""
+    sk = safekeeper_factory(binary_name="safekeeper")
+    sk.cwd = RELEASE_DIR.parent
+    assert "/" in sk.args()[0] and not sk.args()[0].startswith("/"), sk.args()[0]
+    sk.start()
+    fetch(sk, "/profile/heap", tmp_path / "heap.pb.gz")
+    top = go_pprof("-top", "-cum", "-nodecount=300", str(tmp_path / "heap.pb.gz"))
+    assert re.search(r"safekeeper::|profiling::", top), top[:3000]
+    fetch(sk, "/profile/cpu?seconds=1", tmp_path / "cpu.pb.gz")
+    assert "no symbols" not in sk.log(), sk.log()[-2000:]
+
+
 def test_heap_jemalloc_dump_is_read_by_jeprof(profiled, tmp_path):
     jeprof = require("jeprof", "libjemalloc-dev")
     r = fetch(profiled, "/profile/heap?format=jemalloc", tmp_path / "heap.dump")

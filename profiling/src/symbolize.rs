@@ -155,16 +155,29 @@ impl<'m> Resolver<'m> {
 }
 
 fn open_index(object: &Path) -> Option<SymbolIndex> {
-    if !object.is_absolute() {
-        return None; // [vdso], [heap], anonymous: nothing on disk to read
-    }
-    match symindex::open_or_build(object) {
+    let object = object_file(object)?;
+    match symindex::open_or_build(&object) {
         Ok(index) => Some(index),
         Err(e) => {
             tracing::warn!(object = %object.display(), "no symbols for this object: {e:#}");
             None
         }
     }
+}
+
+/// The file behind a mapping's path. The main executable's comes as the process was started
+/// (`target/release/safekeeper` when run by a relative path, which a later `chdir` would make
+/// wrong): it is then the running executable itself. `None` for what has no file ([vdso],
+/// [heap], anonymous mappings).
+fn object_file(object: &Path) -> Option<std::path::PathBuf> {
+    if object.is_absolute() {
+        return Some(object.to_path_buf());
+    }
+    if object.as_os_str().is_empty() || object.to_string_lossy().starts_with('[') {
+        return None;
+    }
+    let exe = std::env::current_exe().ok()?;
+    (exe.file_name() == object.file_name()).then_some(exe)
 }
 
 fn frame(raw: &RawFrame) -> Frame {
