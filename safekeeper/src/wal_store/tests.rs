@@ -1391,3 +1391,22 @@ fn write_zeros_covers_exactly_the_range_in_pages_and_in_bulk() {
         }
     }
 }
+
+/// An idle timeline keeps no gathering buffer: its memory goes with the flush that wrote it out
+/// (with 100,000 mostly idle timelines, each kept its last batch's capacity).
+#[test]
+fn a_flush_releases_the_gathering_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Lsn(SEG + 8192);
+    let mut s = fresh(dir.path(), start);
+    let (bytes, pos) = gen_wal(start, &[8000, 8000]);
+    s.write_wal(start, &bytes).unwrap();
+    assert!(s.pending.capacity() > 0, "small appends are gathered");
+    s.flush_wal().unwrap();
+    assert_eq!(
+        s.pending.capacity(),
+        0,
+        "the buffer is released at the flush"
+    );
+    assert_eq!(s.flush_lsn(), pos[1].end);
+}
