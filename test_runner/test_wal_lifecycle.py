@@ -155,12 +155,12 @@ def status(sk) -> dict:
     return r.json()
 
 
-def start_sks(factory, store, keep: list[int]) -> list:
+def start_sks(factory, store, keep: list[int], extra: tuple[str, ...] = ()) -> list:
     sks = []
     for i, k in enumerate(keep, start=1):
         sk = factory(
             i,
-            extra_args=["--remote-storage", store.url, "--wal-keep-size", str(k)],
+            extra_args=["--remote-storage", store.url, "--wal-keep-size", str(k), *extra],
             env=store.env,
         )
         sks.append(sk.start())
@@ -483,21 +483,9 @@ def test_disk_limit_refuses_appends_naming_it_serves_and_resumes(
 ):
     # 12 MiB per timeline: the push below needs more, so appends stop until backup and
     # removal (keeping 2 MiB) bring the directory back under the limit, then resume.
-    sks = []
-    for i in (1, 2, 3):
-        sk = safekeeper_factory(
-            i,
-            extra_args=[
-                "--remote-storage",
-                store.url,
-                "--wal-keep-size",
-                str(2 * SEG),
-                "--max-timeline-disk-usage",
-                str(12 * SEG),
-            ],
-            env=store.env,
-        )
-        sks.append(sk.start())
+    sks = start_sks(
+        safekeeper_factory, store, [2 * SEG] * 3, extra=("--max-timeline-disk-usage", str(12 * SEG))
+    )
     restore = store.outage()  # no backup yet: nothing can be removed, the limit is reached
     # 32 MiB in ~8 s: every node measures its usage (each second) past the limit before the
     # push could complete on two of them, and learns commit LSNs from the appends before.
@@ -659,19 +647,10 @@ def test_a_quiet_timeline_has_its_committed_wal_mid_segment_in_the_store(
     committed part of that segment stored within --partial-backup-timeout, as one object named by
     term and end LSN that real pg_waldump reads to its end; a later commit supersedes it and the
     older object is removed."""
-    sks = []
-    for i in (1, 2, 3):
-        sk = safekeeper_factory(
-            i,
-            extra_args=[
-                "--remote-storage",
-                store.url,
-                "--partial-backup-timeout",
-                "1s",
-            ],
-            env=store.env,
-        )
-        sks.append(sk.start())
+    # --wal-keep-size as its default (128 MiB): nothing is removed here.
+    sks = start_sks(
+        safekeeper_factory, store, [128 << 20] * 3, extra=("--partial-backup-timeout", "1s")
+    )
     # Two complete segments and a third one started (the proposer starts at a segment start).
     stats = push(sks, total=str(2 * SEG + 300_000))
     start, end = lsn_int(stats["start_lsn"]), lsn_int(stats["commit_lsn"])

@@ -239,6 +239,15 @@ pub struct ManagerCore {
     phase: Phase,
 }
 
+impl Partial {
+    /// Whether a listing may find objects to remove: something of this node's may be left (its
+    /// longest object, until the complete segments pass it), or an earlier run's objects were
+    /// not swept yet (once the WAL moves). Not at every complete segment.
+    fn superseded_may_be_left(&self) -> bool {
+        (self.stored.is_valid() && self.stored >= self.removed_below) || (self.moved && !self.swept)
+    }
+}
+
 /// Partial-segment backup's state (in memory: after a restart the partial object is uploaded
 /// again, which finds an identical one stored or stores a longer one).
 #[derive(Debug)]
@@ -431,7 +440,7 @@ impl ManagerCore {
         if self.cfg.remote
             && !p.removing
             && p.remove_retry_at > self.now
-            && ((p.stored.is_valid() && p.stored >= p.removed_below) || (p.moved && !p.swept))
+            && p.superseded_may_be_left()
         {
             consider(p.remove_retry_at);
         }
@@ -505,14 +514,9 @@ impl ManagerCore {
             self.partial.moved = true;
         }
         let p = &mut self.partial;
-        let sweep = p.moved && !p.swept;
         // Superseded objects: below this node's longest one, and below the complete segments.
-        // Listed and removed only while something of this node's may be left (its longest
-        // object, until the complete segments pass it) or once for an earlier run's objects:
-        // not at every complete segment.
         let below = p.stored.max(backed);
-        let ours_left = p.stored.is_valid() && p.stored >= p.removed_below;
-        if (ours_left || sweep)
+        if p.superseded_may_be_left()
             && !p.removing
             && below > p.removed_below
             && self.now >= p.remove_retry_at

@@ -280,11 +280,8 @@ impl RemoteStorage {
         ttid: &TenantTimelineId,
         seg_size: u64,
     ) -> anyhow::Result<Vec<(u64, u64)>> {
-        let prefix = ObjPath::from(self.timeline_key(ttid));
         let mut out = Vec::new();
-        let mut list = self.store.list(Some(&prefix));
-        while let Some(meta) = list.next().await {
-            let meta = meta.with_context(|| format!("listing {}", self.timeline_location(ttid)))?;
+        for meta in self.timeline_objects(ttid).await? {
             if let Some(name) = meta.location.filename()
                 && let Some((segno, false)) = parse_xlog_file_name(name, seg_size)
             {
@@ -302,14 +299,7 @@ impl RemoteStorage {
         segno: u64,
         seg_size: u64,
     ) -> anyhow::Result<Option<Bytes>> {
-        let path = self.object(ttid, segno, seg_size);
-        match self.store.get(&path).await {
-            Ok(r) => Ok(Some(
-                r.bytes().await.with_context(|| format!("reading {path}"))?,
-            )),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(e).with_context(|| format!("reading {path}")),
-        }
+        self.read_object(&self.object(ttid, segno, seg_size)).await
     }
 
     /// Stores segment `segno` of `ttid` (its full image `data`) unless it is already stored, in
@@ -329,19 +319,7 @@ impl RemoteStorage {
         let outcome = if known_stored {
             Outcome::Verified
         } else {
-            let opts = PutOptions {
-                mode: PutMode::Create,
-                ..PutOptions::default()
-            };
-            match self
-                .store
-                .put_opts(&path, PutPayload::from(data.clone()), opts)
-                .await
-            {
-                Ok(_) => Outcome::Uploaded,
-                Err(object_store::Error::AlreadyExists { .. }) => Outcome::Verified,
-                Err(e) => return Err(e).with_context(|| format!("storing {path}")),
-            }
+            self.create_once(&path, &data).await?
         };
         if outcome == Outcome::Verified {
             let stored = self
@@ -383,19 +361,7 @@ impl RemoteStorage {
     ) -> anyhow::Result<Outcome> {
         let segno = upto.segment_number(seg_size);
         let path = self.partial_object(ttid, segno, seg_size, term, upto);
-        let opts = PutOptions {
-            mode: PutMode::Create,
-            ..PutOptions::default()
-        };
-        let outcome = match self
-            .store
-            .put_opts(&path, PutPayload::from(data.clone()), opts)
-            .await
-        {
-            Ok(_) => Outcome::Uploaded,
-            Err(object_store::Error::AlreadyExists { .. }) => Outcome::Verified,
-            Err(e) => return Err(e).with_context(|| format!("storing {path}")),
-        };
+        let outcome = self.create_once(&path, &data).await?;
         if outcome == Outcome::Verified {
             match self.read_object(&path).await? {
                 Some(stored) => verify_stored(&path, &stored, &data, valid_from)?,
@@ -415,11 +381,8 @@ impl RemoteStorage {
         ttid: &TenantTimelineId,
         seg_size: u64,
     ) -> anyhow::Result<Vec<(u64, u64, Lsn, ObjPath)>> {
-        let prefix = ObjPath::from(self.timeline_key(ttid));
         let mut out = Vec::new();
-        let mut list = self.store.list(Some(&prefix));
-        while let Some(meta) = list.next().await {
-            let meta = meta.with_context(|| format!("listing {}", self.timeline_location(ttid)))?;
+        for meta in self.timeline_objects(ttid).await? {
             if let Some(name) = meta.location.filename()
                 && let Some((segno, term, upto)) = parse_partial_name(name, seg_size)
             {
@@ -459,6 +422,39 @@ impl RemoteStorage {
             }
         }
         Ok(n)
+    }
+
+    /// Stores `data` at `path` unless an object is there already (conditional create):
+    /// [`Outcome::Uploaded`] if this call stored it, [`Outcome::Verified`] (still to be
+    /// checked by the caller) if it was there.
+    async fn create_once(&self, path: &ObjPath, data: &Bytes) -> anyhow::Result<Outcome> {
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
+        };
+        match self
+            .store
+            .put_opts(path, PutPayload::from(data.clone()), opts)
+            .await
+        {
+            Ok(_) => Ok(Outcome::Uploaded),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(Outcome::Verified),
+            Err(e) => Err(e).with_context(|| format!("storing {path}")),
+        }
+    }
+
+    /// Every object stored under `ttid`'s prefix: its path and size.
+    async fn timeline_objects(
+        &self,
+        ttid: &TenantTimelineId,
+    ) -> anyhow::Result<Vec<object_store::ObjectMeta>> {
+        let prefix = ObjPath::from(self.timeline_key(ttid));
+        let mut out = Vec::new();
+        let mut list = self.store.list(Some(&prefix));
+        while let Some(meta) = list.next().await {
+            out.push(meta.with_context(|| format!("listing {}", self.timeline_location(ttid)))?);
+        }
+        Ok(out)
     }
 
     /// With `file://`: fsyncs the object's file and every directory from it up to the root.

@@ -197,11 +197,11 @@ impl Backup {
             let segno = upto.segment_number(seg_size);
             let term = tl.positions().last_log_term.0;
             let t = tl.clone();
-            let mut data = crate::blocking::spawn(move || t.read_segment_file(segno))
+            let len = upto.segment_offset(seg_size) as usize;
+            let data = crate::blocking::spawn(move || t.read_segment_prefix(segno, len))
                 .await
                 .context("segment read task")?
                 .with_context(|| format!("reading segment {segno} for a partial backup"))?;
-            data.truncate(upto.segment_offset(seg_size) as usize);
             let len = data.len() as u64;
             let outcome = self
                 .storage

@@ -951,7 +951,6 @@ impl Sim {
             );
             segno += 1;
         }
-        self.check_partials();
     }
 
     /// Every partial object in the store holds the proposer's committed WAL, byte for byte,
@@ -1122,6 +1121,7 @@ fn run_seed(seed: u64, n: usize) -> Stats {
         }
     }
     s.check_content();
+    s.check_partials();
     s.stats
 }
 

@@ -524,12 +524,13 @@ fn committed_wal_mid_segment_is_uploaded_as_a_partial_segment_after_the_timeout(
     assert_eq!(core.next_wakeup(), None, "nothing waits");
     // Later complete segments list nothing more once this node's object is behind them... but
     // the one that passes it removes it.
-    let past = Observed {
-        inmem: lsns(4 * SEG + 10, 4 * SEG, 4 * SEG),
-        flush_lsn: Lsn(4 * SEG + 10),
+    // Committed, flushed and backed up into segment `n`.
+    let into_segment = |n: u64| Observed {
+        inmem: lsns(n * SEG + 10, n * SEG, n * SEG),
+        flush_lsn: Lsn(n * SEG + 10),
         ..o
     };
-    let out = core.step(Event::Observed(past));
+    let out = core.step(Event::Observed(into_segment(4)));
     assert!(
         out.contains(&Action::RemovePartials {
             below: Lsn(4 * SEG)
@@ -540,12 +541,7 @@ fn committed_wal_mid_segment_is_uploaded_as_a_partial_segment_after_the_timeout(
         below: Lsn(4 * SEG),
         ok: true,
     });
-    let further = Observed {
-        inmem: lsns(5 * SEG + 10, 5 * SEG, 5 * SEG),
-        flush_lsn: Lsn(5 * SEG + 10),
-        ..o
-    };
-    let out = core.step(Event::Observed(further));
+    let out = core.step(Event::Observed(into_segment(5)));
     assert!(
         !out.iter()
             .any(|a| matches!(a, Action::RemovePartials { .. })),

@@ -162,9 +162,7 @@ impl Fill {
     #[cfg(test)]
     pub(super) fn wait(&self) {
         if let Some(t) = &self.task {
-            while !t.is_finished() {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            t.wait_finished();
         }
     }
 

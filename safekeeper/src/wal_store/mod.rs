@@ -503,7 +503,8 @@ impl WalFileStore {
             end
         };
         let mut from = known.max(off);
-        if let Some(fill) = self.fill.as_ref().filter(|f| f.segno() == segno) {
+        let filling = self.fill.as_ref().filter(|f| f.segno() == segno);
+        if let Some(fill) = filling {
             match fill.claim(off, end, to) {
                 Claim::Allocated { allocated } => {
                     self.allocated = Some((segno, allocated));
@@ -512,6 +513,7 @@ impl WalFileStore {
                 Claim::ZeroItself { from: f } => from = f,
             }
         }
+        let filling = filling.is_some();
         // `from < end`: `known < end` above, and `off < end`.
         if !self.commit_bound || from >= to {
             return;
@@ -525,7 +527,6 @@ impl WalFileStore {
         match zeroed {
             Ok(path) => {
                 self.allocated = Some((segno, to));
-                let filling = self.fill.as_ref().is_some_and(|f| f.segno() == segno);
                 if !filling && !self.opts.no_sync && to < self.seg_size {
                     // The previous segment's fill ended with it (dropped, joined).
                     self.fill = None;

@@ -71,6 +71,14 @@ impl Task {
         }
     }
 
+    /// Waits until it has finished, leaving its outcome to [`Task::join`] (tests).
+    #[cfg(test)]
+    pub(super) fn wait_finished(&self) {
+        while !self.is_finished() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Waits for the outcome; `None` if the job panicked.
     pub(super) fn join(self) -> Option<Result<()>> {
         match self {
@@ -253,9 +261,7 @@ impl Preparer {
     #[cfg(test)]
     pub(super) fn wait(&self) {
         if let Some(t) = &self.task {
-            while !t.is_finished() {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            t.wait_finished();
         }
     }
 }
