@@ -172,6 +172,18 @@ pub struct Conf {
     #[arg(long, env = "SAFEKEEPER_PARTIAL_BACKUP_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
     pub partial_backup_timeout: Duration,
 
+    /// A timeline idle this long (no connection, no new WAL) whose WAL is wholly in remote
+    /// storage (complete segments and a partial segment) is evicted: only its control file is
+    /// kept locally, and it is restored on demand (a proposer, a reader, a pull). `0`: never.
+    /// Only with `--remote-storage`.
+    #[arg(long, env = "SAFEKEEPER_EVICTION_MIN_IDLE", default_value = "15m", value_parser = parse_duration)]
+    pub eviction_min_idle: Duration,
+
+    /// Most restores of evicted timelines running at once on the node.
+    #[arg(long, env = "SAFEKEEPER_MAX_CONCURRENT_RESTORES", default_value_t = crate::registry::DEFAULT_RESTORES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    pub max_concurrent_restores: usize,
+
     /// Most segment uploads (or verifications) in progress at once on the node.
     #[arg(long, env = "SAFEKEEPER_BACKUP_PARALLELISM", default_value_t = 4,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
@@ -259,6 +271,8 @@ impl Conf {
             wal_keep_size: 128 << 20,
             backup_parallelism: 4,
             partial_backup_timeout: Duration::from_secs(300),
+            eviction_min_idle: Duration::from_secs(900),
+            max_concurrent_restores: crate::registry::DEFAULT_RESTORES,
             remote_read_budget: 64 << 20,
             max_reader_hold: 0,
             backpressure_readers: Default::default(),

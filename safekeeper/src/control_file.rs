@@ -41,7 +41,7 @@ pub const CONTROL_FILE_TMP_NAME: &str = "safekeeper.control.partial";
 /// First four bytes of every control file.
 pub const CONTROL_FILE_MAGIC: u32 = 0xcafe_ceef;
 /// Version of the layout described in [`encode`].
-pub const CONTROL_FILE_FORMAT_VERSION: u32 = 3;
+pub const CONTROL_FILE_FORMAT_VERSION: u32 = 4;
 /// Larger files are refused before being read.
 pub const MAX_CONTROL_FILE_SIZE: u64 = 1 << 20;
 
@@ -55,7 +55,7 @@ const CRC_LEN: usize = 4;
 /// (`u64 id`, `u32 host_len`, host UTF-8, `u16 pg_port`); acceptor state = `u64 term`, `u32 n`,
 /// n × (`u64 term`, `u64 lsn`), `u32 elected_generation` (since version 2); server = `u32 pg_version`, `u64 system_id`, `u32 wal_seg_size`;
 /// `u64` timeline_start_lsn, local_start_lsn, commit_lsn, peer_horizon_lsn,
-/// remote_consistent_lsn; `u64 creation_ts`; `u64 backup_lsn` (since version 3).
+/// remote_consistent_lsn; `u64 creation_ts`; `u64 backup_lsn` (since version 3); `u8 evicted` (0/1, since version 4).
 pub fn encode(state: &TimelinePersistentState) -> Vec<u8> {
     let mut b = Vec::with_capacity(256);
     b.extend_from_slice(&CONTROL_FILE_MAGIC.to_le_bytes());
@@ -93,6 +93,7 @@ pub fn encode(state: &TimelinePersistentState) -> Vec<u8> {
     }
     b.extend_from_slice(&state.creation_ts.to_le_bytes());
     b.extend_from_slice(&state.backup_lsn.0.to_le_bytes());
+    b.push(u8::from(state.evicted));
     let crc = crc32c::crc32c(&b);
     b.extend_from_slice(&crc.to_le_bytes());
     b
@@ -243,6 +244,15 @@ fn decode_body(body: &[u8], version: u32) -> std::result::Result<TimelinePersist
     } else {
         Lsn::INVALID
     };
+    let evicted = if version >= 4 {
+        match r.u8()? {
+            0 => false,
+            1 => true,
+            t => return Err(format!("bad evicted flag {t}")),
+        }
+    } else {
+        false
+    };
     if !r.b.is_empty() {
         return Err(format!("{} trailing bytes", r.b.len()));
     }
@@ -266,6 +276,7 @@ fn decode_body(body: &[u8], version: u32) -> std::result::Result<TimelinePersist
         peer_horizon_lsn,
         remote_consistent_lsn,
         backup_lsn,
+        evicted,
         creation_ts,
     })
 }
@@ -459,14 +470,43 @@ mod tests {
         s
     }
 
-    /// The image of `s` in format version 2 (before `backup_lsn`), checksummed.
+    /// The image of `s` in format version `version` (2: before `backup_lsn`, 3: before
+    /// `evicted`), checksummed.
+    fn old_image(s: &TimelinePersistentState, version: u32) -> Vec<u8> {
+        let now = encode(s);
+        let strip = match version {
+            2 => 9,
+            3 => 1,
+            v => panic!("no image of version {v}"),
+        };
+        let mut old = now[..now.len() - CRC_LEN - strip].to_vec();
+        old[4..8].copy_from_slice(&version.to_le_bytes());
+        let crc = crc32c::crc32c(&old);
+        old.extend_from_slice(&crc.to_le_bytes());
+        old
+    }
+
     fn version_two_image(s: &TimelinePersistentState) -> Vec<u8> {
-        let v3 = encode(s);
-        let mut v2 = v3[..v3.len() - CRC_LEN - 8].to_vec();
-        v2[4..8].copy_from_slice(&2u32.to_le_bytes());
-        let crc = crc32c::crc32c(&v2);
-        v2.extend_from_slice(&crc.to_le_bytes());
-        v2
+        old_image(s, 2)
+    }
+
+    /// A version-3 file (before `evicted`) loads as a resident timeline; the flag round-trips
+    /// in the current version, and a byte other than 0 or 1 is refused.
+    #[test]
+    fn a_version_three_file_loads_as_resident_and_the_evicted_flag_round_trips() {
+        let s = sample();
+        let v3 = old_image(&s, 3);
+        assert_eq!(decode(&v3, Path::new("x")).unwrap(), s);
+        let mut e = sample();
+        e.evicted = true;
+        let image = encode(&e);
+        assert_eq!(decode(&image, Path::new("x")).unwrap(), e);
+        let mut bad = image[..image.len() - CRC_LEN].to_vec();
+        *bad.last_mut().unwrap() = 2;
+        let crc = crc32c::crc32c(&bad);
+        bad.extend_from_slice(&crc.to_le_bytes());
+        let err = decode(&bad, Path::new("x")).unwrap_err();
+        assert!(err.to_string().contains("evicted flag"), "{err}");
     }
 
     /// A version-2 file (before `backup_lsn`) still loads, with nothing backed up; it is
@@ -490,7 +530,10 @@ mod tests {
         assert_eq!(*store, s);
         store.persist(&v3).unwrap();
         let raw = std::fs::read(dir.path().join(CONTROL_FILE_NAME)).unwrap();
-        assert_eq!(u32::from_le_bytes(raw[4..8].try_into().unwrap()), 3);
+        assert_eq!(
+            u32::from_le_bytes(raw[4..8].try_into().unwrap()),
+            CONTROL_FILE_FORMAT_VERSION
+        );
         assert_eq!(*FileControlStore::load(dir.path(), true).unwrap(), v3);
     }
 

@@ -263,6 +263,8 @@ pub async fn run(
         .context("loading timelines")??
     };
     let load_time = started.elapsed();
+    let mut timelines = timelines;
+    timelines.set_max_restores(conf.max_concurrent_restores);
     let timelines = Arc::new(timelines);
     profiling::register_metrics();
     crate::metrics::register();
@@ -272,7 +274,8 @@ pub async fn run(
         datadir = %conf.datadir.display(),
         http = %listeners.http_addr(),
         pg = %listeners.pg_addr(),
-        timelines = timelines.all().len(),
+        timelines = timelines.counts().0,
+        evicted = timelines.counts().1,
         load_seconds = load_time.as_secs_f64(),
         max_open_segment_files = open_files.cap(),
         no_sync = conf.no_sync,
@@ -314,6 +317,7 @@ pub async fn run(
             supervise_every: LIFECYCLE_TICK,
             partial_timeout: (!conf.partial_backup_timeout.is_zero())
                 .then_some(conf.partial_backup_timeout),
+            evict_after: (!conf.eviction_min_idle.is_zero()).then_some(conf.eviction_min_idle),
         },
         cancel.clone(),
     ));

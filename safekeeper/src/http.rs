@@ -60,6 +60,9 @@ pub enum ApiError {
     /// timeline that exists already).
     #[error("{0}")]
     Conflict(String),
+    /// 503: a dependency (remote storage) failed; retry later.
+    #[error("{0}")]
+    Unavailable(String),
     /// 500: our fault; the details go to the log, not to the caller.
     #[error("internal error: {0}")]
     Internal(Box<dyn std::error::Error + Send + Sync>),
@@ -75,7 +78,9 @@ impl From<TimelineError> for ApiError {
             | TimelineError::UnsupportedVersion(_)
             | TimelineError::BadRequest(_) => ApiError::BadRequest(e.to_string()),
             TimelineError::Deleted(_) => ApiError::NotFound(e.to_string()),
+            TimelineError::RestoreFailed { .. } => ApiError::Unavailable(e.to_string()),
             TimelineError::Exists(_)
+            | TimelineError::Evicted(_)
             | TimelineError::BeingDeleted(_)
             | TimelineError::NotAMember { .. } => ApiError::Conflict(e.to_string()),
             TimelineError::Storage(_) | TimelineError::Acceptor { .. } => {
@@ -107,6 +112,9 @@ impl IntoResponse for ApiError {
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response(),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, format!("{m}\n")).into_response(),
             ApiError::Conflict(m) => (StatusCode::CONFLICT, format!("{m}\n")).into_response(),
+            ApiError::Unavailable(m) => {
+                (StatusCode::SERVICE_UNAVAILABLE, format!("{m}\n")).into_response()
+            }
             ApiError::Internal(e) => {
                 tracing::error!("HTTP request failed: {e}");
                 (
@@ -369,7 +377,19 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Status> {
 }
 
 async fn timelines(State(state): State<Arc<AppState>>) -> Json<Vec<TimelineStatus>> {
-    Json(state.timelines.all().iter().map(|t| t.status()).collect())
+    let tls = &state.timelines;
+    let mut all: Vec<TimelineStatus> = tls.all().iter().map(|t| t.status()).collect();
+    all.extend(tls.all_evicted().iter().map(|e| evicted_status(tls, e)));
+    all.sort_by_key(|s| (s.tenant_id, s.timeline_id));
+    Json(all)
+}
+
+/// The status of an evicted timeline of this node.
+fn evicted_status(
+    tls: &crate::registry::GlobalTimelines,
+    e: &crate::evicted::EvictedTimeline,
+) -> TimelineStatus {
+    TimelineStatus::of_evicted(e, tls.node_id(), tls.remote_location(&e.ttid))
 }
 
 /// One timeline of [`list_timelines`].
@@ -387,9 +407,11 @@ async fn list_timelines(State(state): State<Arc<AppState>>) -> Json<Vec<Timeline
             .timelines
             .all()
             .iter()
+            .map(|t| t.ttid)
+            .chain(state.timelines.all_evicted().iter().map(|e| e.ttid))
             .map(|t| TimelineIds {
-                tenant_id: t.ttid.tenant_id.to_string(),
-                timeline_id: t.ttid.timeline_id.to_string(),
+                tenant_id: t.tenant_id.to_string(),
+                timeline_id: t.timeline_id.to_string(),
             })
             .collect(),
     )
@@ -414,6 +436,19 @@ fn find_timeline(
     Ok(state
         .timelines
         .get(&ttid)
+        .ok_or(TimelineError::NotFound(ttid))?)
+}
+
+/// The timeline of a route's path parameters, restored first if it is evicted (400 when
+/// malformed, 404 when absent, 503 when the restore failed).
+async fn find_or_restore(
+    state: &AppState,
+    tenant_id: &str,
+    timeline_id: &str,
+) -> Result<Arc<Timeline>, ApiError> {
+    let ttid = parse_ttid(tenant_id, timeline_id)?;
+    Ok(crate::evict::restore(&state.timelines, &ttid)
+        .await?
         .ok_or(TimelineError::NotFound(ttid))?)
 }
 
@@ -448,6 +483,11 @@ async fn timeline_status(
     State(state): State<Arc<AppState>>,
     Path((tenant_id, timeline_id)): Path<(String, String)>,
 ) -> Result<Json<TimelineStatus>, ApiError> {
+    let ttid = parse_ttid(&tenant_id, &timeline_id)?;
+    if let Some(e) = state.timelines.get_evicted(&ttid) {
+        // Its status is its control file's: no restore.
+        return Ok(Json(evicted_status(&state.timelines, &e)));
+    }
     Ok(Json(
         find_timeline(&state, &tenant_id, &timeline_id)?.status(),
     ))
@@ -463,7 +503,7 @@ async fn set_membership(
     body: Bytes,
 ) -> Result<Json<TimelineStatus>, ApiError> {
     require_admin(&claims)?;
-    let tl = find_timeline(&state, &tenant_id, &timeline_id)?;
+    let tl = find_or_restore(&state, &tenant_id, &timeline_id).await?;
     let mconf: Configuration = parse_body(&body)?;
     let t = tl.clone();
     match blocking(move || t.set_membership(mconf)).await? {
@@ -608,7 +648,9 @@ async fn snapshot(
     claims: Option<Extension<Claims>>,
 ) -> Result<Response, ApiError> {
     require_admin(&claims)?;
-    let tl = find_timeline(&state, &tenant_id, &timeline_id)?;
+    // A pull from an evicted donor restores it first (its WAL below the restored segment is
+    // sent from the store, as after any removal).
+    let tl = find_or_restore(&state, &tenant_id, &timeline_id).await?;
     Ok((
         [(header::CONTENT_TYPE, "application/octet-stream")],
         crate::pull::snapshot_body(tl, q.remote),

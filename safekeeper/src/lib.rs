@@ -32,6 +32,8 @@ pub mod config;
 pub mod control_file;
 pub mod daemon;
 pub mod disk_usage;
+pub mod evict;
+pub mod evicted;
 pub mod feedback;
 pub mod http;
 pub mod lifecycle;

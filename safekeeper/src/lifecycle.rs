@@ -48,6 +48,8 @@ pub struct Settings {
     pub supervise_every: Duration,
     /// `--partial-backup-timeout` (`None`: off).
     pub partial_timeout: Option<Duration>,
+    /// `--eviction-min-idle` (`None`: off).
+    pub evict_after: Option<Duration>,
 }
 
 /// The supervisor: a driver for every timeline of `timelines`, remote deletions after
@@ -59,6 +61,7 @@ pub async fn run(timelines: Arc<GlobalTimelines>, settings: Settings, cancel: Ca
     if let Some(b) = &settings.backup {
         // Every timeline gets the store with its driver, at the first tick (at once).
         timelines.set_remote_storage(true);
+        timelines.set_storage(b.storage.clone());
         timelines.set_remote_url(b.storage.url().to_string());
     }
     let mut ticker = crate::ticker::Ticker::new(settings.supervise_every);
@@ -73,7 +76,8 @@ pub async fn run(timelines: Arc<GlobalTimelines>, settings: Settings, cancel: Ca
         for tl in timelines.all() {
             match drivers.get(&tl.ttid) {
                 Some((t, _)) if Arc::ptr_eq(t, &tl) => continue,
-                // The deleted timeline of the same ids is still stopping: the new one waits.
+                // The deleted (or evicted) timeline of the same ids is still stopping: the new
+                // one (recreated, or restored) waits.
                 Some(_) => continue,
                 None => {}
             }
@@ -81,7 +85,12 @@ pub async fn run(timelines: Arc<GlobalTimelines>, settings: Settings, cancel: Ca
                 tl.set_remote(b.storage.clone());
             }
             let span = crate::timeline::span(&tl.ttid);
-            let job = drive(tl.clone(), settings.clone(), cancel.clone());
+            let job = drive(
+                tl.clone(),
+                Some(timelines.clone()),
+                settings.clone(),
+                cancel.clone(),
+            );
             let handle = tokio::spawn(tracing::Instrument::instrument(job, span));
             drivers.insert(tl.ttid, (tl, handle));
         }
@@ -139,6 +148,7 @@ pub fn observe(tl: &Timeline) -> Observed {
         wal_start_lsn: tl.wal_start_lsn(),
         inmem,
         persisted,
+        busy: tl.connections() > 0,
     }
 }
 
@@ -151,13 +161,19 @@ pub fn config_for(tl: &Timeline, settings: &Settings) -> Config {
         parallelism: settings.backup.as_ref().map_or(1, |b| b.parallelism),
         save_interval: SAVE_INTERVAL,
         partial_timeout: settings.partial_timeout,
+        evict_after: settings.evict_after,
     }
 }
 
 /// One timeline's driver: performs its core's actions until the timeline is deleted (then
 /// stops its work in flight and returns) or `cancel` (node shutdown; the daemon saves every
 /// control file after).
-pub async fn drive(tl: Arc<Timeline>, settings: Settings, cancel: CancellationToken) {
+pub async fn drive(
+    tl: Arc<Timeline>,
+    timelines: Option<Arc<GlobalTimelines>>,
+    settings: Settings,
+    cancel: CancellationToken,
+) {
     let started = Instant::now();
     let mut core = ManagerCore::new(config_for(&tl, &settings), observe(&tl), tl.removed_below());
     let mut inflight: JoinSet<Event> = JoinSet::new();
@@ -192,7 +208,12 @@ pub async fn drive(tl: Arc<Timeline>, settings: Settings, cancel: CancellationTo
                     action => {
                         let fb = fallback_of(&action);
                         let id = inflight
-                            .spawn(perform(tl.clone(), settings.clone(), action))
+                            .spawn(perform(
+                                tl.clone(),
+                                timelines.clone(),
+                                settings.clone(),
+                                action,
+                            ))
                             .id();
                         fallback.insert(id, fb);
                     }
@@ -252,6 +273,7 @@ fn fallback_of(action: &Action) -> Event {
             ok: false,
         },
         Action::Save => Event::Saved { ok: false },
+        Action::Evict { .. } => Event::Evicted { ok: false },
         Action::Remove { .. } => Event::Removed { first_local: 0 },
         Action::UploadPartial { upto, .. } => Event::UploadedPartial {
             upto: *upto,
@@ -266,7 +288,12 @@ fn fallback_of(action: &Action) -> Event {
 }
 
 /// Performs one action of `tl`'s core and returns what happened.
-async fn perform(tl: Arc<Timeline>, settings: Settings, action: Action) -> Event {
+async fn perform(
+    tl: Arc<Timeline>,
+    timelines: Option<Arc<GlobalTimelines>>,
+    settings: Settings,
+    action: Action,
+) -> Event {
     match action {
         Action::List => {
             let Some(b) = &settings.backup else {
@@ -359,6 +386,38 @@ async fn perform(tl: Arc<Timeline>, settings: Settings, action: Action) -> Event
             };
             Event::RemovedPartials { below, ok }
         }
+        Action::Evict { end } => {
+            let Some(tls) = timelines else {
+                return Event::Evicted { ok: false };
+            };
+            let started = Instant::now();
+            let t = tl.clone();
+            let outcome = crate::blocking::spawn(move || tls.evict(&t, end)).await;
+            let ok = match outcome {
+                Ok(Ok(removed)) => {
+                    let took = started.elapsed();
+                    metrics::EVICTIONS.with_label_values(&["done"]).inc();
+                    metrics::EVICTION_SECONDS
+                        .with_label_values(&["evict"])
+                        .observe(took.as_secs_f64());
+                    tracing::info!(%end, removed, "timeline evicted: its WAL is in remote storage");
+                    true
+                }
+                Ok(Err(e)) => {
+                    metrics::EVICTIONS.with_label_values(&["refused"]).inc();
+                    // Evicted but its files not all removed: start-up (or the next restore)
+                    // finishes; the timeline is evicted all the same.
+                    let evicted = tl.is_evicted();
+                    tracing::info!(%end, evicted, "eviction stopped: {e}");
+                    evicted
+                }
+                Err(e) => {
+                    tracing::error!("eviction task: {e}");
+                    tl.is_evicted()
+                }
+            };
+            Event::Evicted { ok }
+        }
         Action::Missing { .. } | Action::Stop | Action::Finished => Event::Tick(Duration::ZERO),
     }
 }
@@ -427,8 +486,9 @@ mod tests {
             wal_keep_size: 0,
             supervise_every: Duration::from_secs(1),
             partial_timeout: None,
+            evict_after: None,
         };
-        let job = tokio::spawn(drive(tl.clone(), settings, CancellationToken::new()));
+        let job = tokio::spawn(drive(tl.clone(), None, settings, CancellationToken::new()));
         tokio::task::yield_now().await;
         crate::blocking::section(|| tl.mark_deleted());
         tokio::time::timeout(Duration::from_secs(10), job)

@@ -26,6 +26,13 @@
 //!   segment; conditional create, so nodes racing store it once), then this node's superseded
 //!   partial objects are removed. Only WAL below both the commit LSN and this node's flush LSN
 //!   is uploaded: committed, durable here, identical on every node.
+//! - **Only WAL wholly in the store is evicted.** A timeline is evicted ([`crate::evict`])
+//!   only when it has been idle (no connection, no WAL or commit movement) for
+//!   `evict_after`, nothing of its manager is in flight, its in-memory LSNs are all saved, and
+//!   every byte of its WAL is committed and durable at one end LSN that the store holds:
+//!   complete segments below the end's segment backed up (persisted backup LSN), the end's
+//!   segment as a partial object this node stored or verified up to the end. The node checks
+//!   again under the acceptor lock (connections, the end) before it flags anything.
 //! - **A deleted timeline stops**: every action in flight is aborted and awaited before the
 //!   core reports it finished; its remote objects are then deleted by the node
 //!   ([`crate::lifecycle`]), before a timeline with the same ids may exist again.
@@ -69,6 +76,9 @@ pub struct Config {
     /// waiting this long with no new complete segment backed up (`--partial-backup-timeout`);
     /// `None`: never. Only with `remote`.
     pub partial_timeout: Option<Duration>,
+    /// A timeline idle this long whose WAL is wholly in the store is evicted
+    /// (`--eviction-min-idle`); `None`: never. Only with `remote`.
+    pub evict_after: Option<Duration>,
 }
 
 /// A timeline's LSNs that are persisted lazily.
@@ -93,6 +103,8 @@ pub struct Observed {
     pub inmem: Lsns,
     /// In the control file.
     pub persisted: Lsns,
+    /// A proposer or reader is connected.
+    pub busy: bool,
 }
 
 /// What happened.
@@ -133,6 +145,12 @@ pub enum Event {
         /// The bound it was given.
         below: Lsn,
         /// Whether every superseded object is gone.
+        ok: bool,
+    },
+    /// An eviction ([`Action::Evict`]) finished: `ok`, the timeline is evicted (its manager is
+    /// done); else it was refused at the node's last check or failed, and stays resident.
+    Evicted {
+        /// Whether it is evicted.
         ok: bool,
     },
     /// The timeline was deleted.
@@ -189,6 +207,12 @@ pub enum Action {
         /// Objects ending below this go.
         below: Lsn,
     },
+    /// Evict the timeline, whose WAL ends at `end` (all of it committed, durable and in the
+    /// store); answer [`Event::Evicted`].
+    Evict {
+        /// The end of WAL the decision saw (the node refuses if it moved).
+        end: Lsn,
+    },
     /// Abort every action in flight and answer [`Event::Stopped`] once they have ended.
     Stop,
     /// The manager is done: nothing is in flight and nothing more will be asked.
@@ -236,6 +260,10 @@ pub struct ManagerCore {
     remove_again_at: Duration,
     last_save: Duration,
     partial: Partial,
+    /// Since when nothing moved and nothing was connected.
+    idle_since: Duration,
+    /// An eviction is in flight.
+    evicting: bool,
     phase: Phase,
 }
 
@@ -313,6 +341,8 @@ impl ManagerCore {
                 swept: false,
                 moved: false,
             },
+            idle_since: Duration::ZERO,
+            evicting: false,
             phase: Phase::Running,
         }
     }
@@ -321,7 +351,15 @@ impl ManagerCore {
     pub fn step(&mut self, event: Event) -> Vec<Action> {
         let mut out = Vec::new();
         match event {
-            Event::Observed(o) => self.obs = o,
+            Event::Observed(o) => {
+                if o.busy
+                    || o.flush_lsn != self.obs.flush_lsn
+                    || o.inmem.commit_lsn != self.obs.inmem.commit_lsn
+                {
+                    self.idle_since = self.now;
+                }
+                self.obs = o;
+            }
             Event::Tick(now) => self.now = self.now.max(now),
             Event::Listed(Some(set)) => {
                 self.listing = Listing::Done;
@@ -382,6 +420,16 @@ impl ManagerCore {
                     p.remove_retry_at = self.now + p.remove_backoff;
                     p.remove_backoff = (p.remove_backoff * 2).min(MAX_BACKOFF);
                 }
+            }
+            Event::Evicted { ok } => {
+                self.evicting = false;
+                if ok && self.phase == Phase::Running {
+                    self.phase = Phase::Finished;
+                    out.push(Action::Finished);
+                    return out;
+                }
+                // Refused (a connection came, the WAL moved) or failed: idle again from now.
+                self.idle_since = self.now;
             }
             Event::Deleted => {
                 if self.phase == Phase::Running {
@@ -444,6 +492,12 @@ impl ManagerCore {
         {
             consider(p.remove_retry_at);
         }
+        if let Some(after) = self.cfg.evict_after
+            && self.cfg.remote
+            && !self.evicting
+        {
+            consider(self.idle_since + after);
+        }
         at
     }
 
@@ -494,7 +548,54 @@ impl ManagerCore {
         if self.cfg.remote {
             self.backup(out);
             self.partial_backup(out);
+            self.eviction(out);
         }
+    }
+
+    /// Eviction (see the module docs).
+    fn eviction(&mut self, out: &mut Vec<Action>) {
+        let Some(after) = self.cfg.evict_after else {
+            return;
+        };
+        if self.evicting || self.now < self.idle_since + after || !out.is_empty() {
+            return;
+        }
+        if let Some(end) = self.evictable_end() {
+            self.evicting = true;
+            out.push(Action::Evict { end });
+        }
+    }
+
+    /// The end of WAL if all of the timeline's WAL is saved and in the store at it, with
+    /// nothing in flight.
+    fn evictable_end(&self) -> Option<Lsn> {
+        let seg = self.cfg.seg_size;
+        let o = &self.obs;
+        let p = &self.partial;
+        let quiet = self.listing == Listing::Done
+            && self.uploading.is_empty()
+            && !self.saving
+            && self.removing.is_none()
+            && p.uploading.is_none()
+            && !p.removing
+            && !o.busy;
+        let end = o.flush_lsn;
+        if !quiet || o.inmem != o.persisted || o.persisted.commit_lsn != end {
+            return None;
+        }
+        let start = o.wal_start_lsn;
+        if end.is_valid() && start.is_valid() && end > start {
+            // Complete segments of this node's WAL below the end's segment are backed up.
+            let backed = o.persisted.backup_lsn.segment_number(seg);
+            if backed.max(start.segment_number(seg)) < end.segment_number(seg) {
+                return None;
+            }
+        }
+        // The end's segment is stored up to the end (unless nothing of it is this node's WAL).
+        if crate::evicted::needs_partial_object(end, start, seg) && p.stored < end {
+            return None;
+        }
+        Some(end)
     }
 
     /// Partial-segment backup (see the module docs).
@@ -514,8 +615,14 @@ impl ManagerCore {
             self.partial.moved = true;
         }
         let p = &mut self.partial;
-        // Superseded objects: below this node's longest one, and below the complete segments.
-        let below = p.stored.max(backed);
+        // Superseded objects: below the complete segments, and below this node's longest one
+        // when every complete segment before its segment is stored (else a partial object of
+        // such a segment, another node's too, is its only copy in the store).
+        let below = if p.stored.is_valid() && backed >= p.stored.segment_start(seg) {
+            p.stored.max(backed)
+        } else {
+            backed
+        };
         if p.superseded_may_be_left()
             && !p.removing
             && below > p.removed_below

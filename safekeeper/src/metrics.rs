@@ -7,7 +7,8 @@
 use std::sync::LazyLock;
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, exponential_buckets,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    exponential_buckets,
 };
 
 fn counter(name: &str, help: &str) -> IntCounter {
@@ -271,6 +272,41 @@ pub static SEGMENT_FILE_EVICTIONS: LazyLock<IntCounter> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_evictions_total{outcome}`: timelines evicted (`done`) or whose eviction was
+/// refused at its last check (`refused`: a connection arrived, the WAL moved) or failed.
+pub static EVICTIONS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "safekeeper_evictions_total",
+        "Timeline evictions: done, or refused/failed at the last check",
+        &["outcome"],
+    )
+});
+
+/// `safekeeper_restores_total{outcome}`: evicted timelines brought back (`ok`) or not (`error`).
+pub static RESTORES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "safekeeper_restores_total",
+        "Restores of evicted timelines, by outcome",
+        &["outcome"],
+    )
+});
+
+/// `safekeeper_eviction_seconds{op}`: time to evict (`evict`) or restore (`restore`) one
+/// timeline, download included.
+pub static EVICTION_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
+    let h = HistogramVec::new(
+        HistogramOpts::new(
+            "safekeeper_eviction_seconds",
+            "Time to evict (op=evict) or restore (op=restore) one timeline",
+        )
+        .buckets(exponential_buckets(0.0005, 2.0, 16).expect("valid buckets")),
+        &["op"],
+    )
+    .expect("valid metric");
+    prometheus::register(Box::new(h.clone())).expect("metric registered once");
+    h
+});
+
 /// Forces registration of every metric so `/metrics` shows them before first use.
 pub fn register() {
     LazyLock::force(&WAL_WRITTEN_BYTES);
@@ -297,4 +333,7 @@ pub fn register() {
     LazyLock::force(&RECOVERY_ACTIVE);
     LazyLock::force(&OPEN_SEGMENT_FILES);
     LazyLock::force(&SEGMENT_FILE_EVICTIONS);
+    LazyLock::force(&EVICTIONS);
+    LazyLock::force(&RESTORES);
+    LazyLock::force(&EVICTION_SECONDS);
 }

@@ -116,6 +116,7 @@ fn produce(
 /// point is read at [`Snapshot::begin`] and its WAL held from removal until it is dropped; each
 /// WAL frame is read under the acceptor lock in the snapshot's term and newest WAL's term.
 pub struct Snapshot {
+    _counted: crate::timeline::ConnectionGuard,
     tl: Arc<Timeline>,
     p: SnapshotPoint,
     next: Next,
@@ -139,8 +140,11 @@ enum Next {
 impl Snapshot {
     /// Chooses the snapshot's point ([`Timeline::snapshot_point`]). Blocking.
     pub fn begin(tl: Arc<Timeline>, remote: bool) -> Result<Snapshot, String> {
+        // Counted as a reader while it streams: the timeline is not evicted under it.
+        let counted = tl.reader_guard();
         let p = tl.snapshot_point(remote)?;
         Ok(Snapshot {
+            _counted: counted,
             tl,
             pos: p.start,
             p,
@@ -299,7 +303,7 @@ pub fn pull_timeline(
     if hosts.is_empty() {
         return Err(PullError::BadRequest("http_hosts is empty".into()));
     }
-    if timelines.get(&ttid).is_some() {
+    if timelines.contains(&ttid) {
         return Err(PullError::Exists(ttid));
     }
     // One pull of a timeline at a time; its directory is its own (issue 26).
@@ -477,6 +481,9 @@ fn receive(
             state.tenant_id, state.timeline_id
         )));
     }
+    // The donor's eviction is the donor's: this copy is resident (a flag carried over would
+    // have its next start-up remove WAL it took since).
+    state.evicted = false;
     let last_term = state
         .acceptor_state
         .term_history

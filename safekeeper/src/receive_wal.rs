@@ -329,7 +329,8 @@ where
         .await;
     }
     // Blocking (it may create and fsync the timeline), which this thread may do.
-    let tl = match ctx.timelines.get_or_create(&greeting, ctx.allow_creation) {
+    let tl = match crate::evict::get_or_create(&ctx.timelines, &greeting, ctx.allow_creation).await
+    {
         Ok(tl) => tl,
         Err(e) => {
             return end_with_error(&mut conn, ErrorFields::error(e.sqlstate(), e.to_string()))

@@ -32,7 +32,9 @@ use sk_core::storage::fs::{Fs, OpenMode};
 use sk_core::types::{NodeId, TenantId, TenantTimelineId, TimelineId};
 
 use crate::control_file::{CONTROL_FILE_NAME, FileControlStore};
+use crate::evicted::EvictedTimeline;
 use crate::manager::DeleteScope;
+use crate::remote_storage::RemoteStorage;
 use crate::timeline::{Timeline, TimelineError};
 use crate::wal_store::OpenFiles;
 
@@ -103,6 +105,13 @@ pub struct GlobalTimelines {
     /// The LRU of open segment files every timeline's WAL store joins.
     open_files: OpenFiles,
     map: Mutex<HashMap<TenantTimelineId, Arc<Timeline>>>,
+    /// Evicted timelines ([`crate::evict`]), never also in `map`. Locked after `map` when both
+    /// are.
+    evicted: Mutex<HashMap<TenantTimelineId, Arc<EvictedTimeline>>>,
+    /// The node's remote storage (restores download from it), set with the managers.
+    storage: std::sync::OnceLock<Arc<RemoteStorage>>,
+    /// Restores running at once on the node.
+    restore_permits: Arc<tokio::sync::Semaphore>,
     /// Serializes creations and deletions (a blocking section: directory creation and fsyncs).
     create_lock: Mutex<()>,
     /// Tombstone names ([`TOMBSTONE_DIR`]) of deleted timelines and tenants.
@@ -216,8 +225,16 @@ impl GlobalTimelines {
             }
         }
         let mut map = HashMap::new();
-        for tl in open_all(&fs, &to_open, node_id, no_sync, &open_files)? {
-            map.insert(tl.ttid, Arc::new(tl));
+        let mut evicted = HashMap::new();
+        for loaded in open_all(&fs, &to_open, node_id, no_sync, &open_files)? {
+            match loaded {
+                Loaded::Resident(tl) => {
+                    map.insert(tl.ttid, Arc::from(tl));
+                }
+                Loaded::Evicted(e) => {
+                    evicted.insert(e.ttid, Arc::new(e));
+                }
+            }
         }
         Ok(GlobalTimelines {
             fs,
@@ -226,6 +243,9 @@ impl GlobalTimelines {
             no_sync,
             open_files,
             map: Mutex::new(map),
+            evicted: Mutex::new(evicted),
+            storage: std::sync::OnceLock::new(),
+            restore_permits: Arc::new(tokio::sync::Semaphore::new(DEFAULT_RESTORES)),
             create_lock: Mutex::new(()),
             tombstones: Mutex::new(tombstones),
             remote_pending: Mutex::new(remote_pending),
@@ -349,13 +369,224 @@ impl GlobalTimelines {
         self.map.lock().expect("timelines lock").get(ttid).cloned()
     }
 
-    /// The node's timeline if it has exactly one (what a reader naming none is served).
-    pub fn only_one(&self) -> Option<Arc<Timeline>> {
+    /// The evicted timeline `ttid`, if this node has it evicted.
+    pub fn get_evicted(&self, ttid: &TenantTimelineId) -> Option<Arc<EvictedTimeline>> {
+        self.evicted
+            .lock()
+            .expect("evicted lock")
+            .get(ttid)
+            .cloned()
+    }
+
+    /// Every evicted timeline, in id order.
+    pub fn all_evicted(&self) -> Vec<Arc<EvictedTimeline>> {
+        let mut v: Vec<_> = self
+            .evicted
+            .lock()
+            .expect("evicted lock")
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by_key(|t| t.ttid);
+        v
+    }
+
+    /// The ids of every timeline here, resident or evicted, in order.
+    pub fn ids(&self) -> Vec<TenantTimelineId> {
+        let mut v: Vec<TenantTimelineId> = {
+            let map = self.map.lock().expect("timelines lock");
+            let evicted = self.evicted.lock().expect("evicted lock");
+            map.keys().chain(evicted.keys()).copied().collect()
+        };
+        v.sort();
+        v
+    }
+
+    /// How many timelines are resident and how many evicted.
+    pub fn counts(&self) -> (usize, usize) {
         let map = self.map.lock().expect("timelines lock");
-        match map.len() {
-            1 => map.values().next().cloned(),
-            _ => None,
+        let evicted = self.evicted.lock().expect("evicted lock");
+        (map.len(), evicted.len())
+    }
+
+    /// Whether this node has `ttid`, resident or evicted.
+    pub fn contains(&self, ttid: &TenantTimelineId) -> bool {
+        self.get(ttid).is_some() || self.get_evicted(ttid).is_some()
+    }
+
+    /// Sets the node's remote storage, which restores download from (first call wins).
+    pub fn set_storage(&self, storage: Arc<RemoteStorage>) {
+        let _ = self.storage.set(storage);
+    }
+
+    /// The node's remote storage, once set.
+    pub fn storage(&self) -> Option<&Arc<RemoteStorage>> {
+        self.storage.get()
+    }
+
+    /// The permits of restores running at once (`--max-concurrent-restores`).
+    pub fn restore_permits(&self) -> &Arc<tokio::sync::Semaphore> {
+        &self.restore_permits
+    }
+
+    /// Sets how many restores may run at once (before any runs).
+    pub fn set_max_restores(&mut self, n: usize) {
+        self.restore_permits = Arc::new(tokio::sync::Semaphore::new(n.max(1)));
+    }
+
+    /// Evicts `tl` ([`crate::evict`], steps 1 to 3) if its WAL still ends at `end` and nothing
+    /// is connected: flags it durably, moves it to the evicted timelines, removes its segment
+    /// files. Returns how many files it removed. Blocking.
+    pub fn evict(
+        &self,
+        tl: &Arc<Timeline>,
+        end: sk_core::types::Lsn,
+    ) -> Result<usize, TimelineError> {
+        self.evict_steps(tl, end, EvictStep::All)
+    }
+
+    /// [`GlobalTimelines::evict`], stopping (as a process killed there would) after `upto`:
+    /// what the simulation crashes between.
+    pub(crate) fn evict_steps(
+        &self,
+        tl: &Arc<Timeline>,
+        end: sk_core::types::Lsn,
+        upto: EvictStep,
+    ) -> Result<usize, TimelineError> {
+        let _creating = self.create_lock.lock().expect("create lock");
+        match self.get(&tl.ttid) {
+            Some(t) if Arc::ptr_eq(&t, tl) => {}
+            _ => {
+                return Err(TimelineError::BadRequest(format!(
+                    "timeline {} is not resident here",
+                    tl.ttid
+                )));
+            }
         }
+        let state = tl.begin_eviction(end)?;
+        if upto == EvictStep::Flag {
+            return Ok(0);
+        }
+        {
+            let mut map = self.map.lock().expect("timelines lock");
+            map.remove(&tl.ttid);
+            self.evicted.lock().expect("evicted lock").insert(
+                tl.ttid,
+                Arc::new(EvictedTimeline::new(tl.dir.clone(), state)),
+            );
+        }
+        self.changed.notify_one();
+        if upto == EvictStep::Registry {
+            return Ok(0);
+        }
+        Ok(crate::evicted::remove_local_wal(
+            &self.fs,
+            &tl.dir,
+            tl.seg_size,
+            self.no_sync,
+        )?)
+    }
+
+    /// Restores the evicted timeline `ttid` from `data` (its end segment's bytes, downloaded
+    /// by [`crate::evict::restore`]; `None` if it needs none): steps 2 to 4 of
+    /// [`crate::evict`]. Returns the resident timeline. Blocking.
+    pub fn restore_from(
+        &self,
+        ttid: &TenantTimelineId,
+        data: Option<&[u8]>,
+    ) -> Result<Arc<Timeline>, TimelineError> {
+        self.restore_steps(ttid, data, RestoreStep::All)
+    }
+
+    /// The end of WAL of evicted timeline `ttid` (what a restore downloads for).
+    pub fn evicted_end(&self, ttid: &TenantTimelineId) -> Option<sk_core::types::Lsn> {
+        self.get_evicted(ttid).map(|e| e.end_lsn())
+    }
+
+    /// [`GlobalTimelines::restore_from`], stopping after `upto` (see
+    /// [`GlobalTimelines::evict_steps`]).
+    pub(crate) fn restore_steps(
+        &self,
+        ttid: &TenantTimelineId,
+        data: Option<&[u8]>,
+        upto: RestoreStep,
+    ) -> Result<Arc<Timeline>, TimelineError> {
+        let _creating = self.create_lock.lock().expect("create lock");
+        if let Some(tl) = self.get(ttid) {
+            return Ok(tl);
+        }
+        let Some(e) = self.get_evicted(ttid) else {
+            return Err(TimelineError::NotFound(*ttid));
+        };
+        let (fs, seg_size) = (&self.fs, e.seg_size());
+        match (e.segment_to_restore(), data) {
+            (Some(_), Some(data)) => crate::evicted::write_restored_segment(
+                fs,
+                &e.dir,
+                seg_size,
+                e.end_lsn(),
+                data,
+                self.no_sync,
+            )?,
+            (Some(segno), None) => {
+                return Err(sk_core::storage::Error::Rejected(format!(
+                    "restoring timeline {ttid}: segment {segno} is needed and was not given"
+                ))
+                .into());
+            }
+            (None, _) => {}
+        }
+        if upto == RestoreStep::Download {
+            return Err(TimelineError::BadRequest(
+                "stopped after the download".into(),
+            ));
+        }
+        let opened = Timeline::open(fs, &e.dir, self.node_id, self.no_sync, &self.open_files)
+            .and_then(|tl| {
+                let end = tl.positions().flush_lsn;
+                if end != e.end_lsn() {
+                    return Err(sk_core::storage::Error::Rejected(format!(
+                        "the restored WAL ends at {end}, the evicted timeline's at {}",
+                        e.end_lsn()
+                    ))
+                    .into());
+                }
+                if upto == RestoreStep::Open {
+                    return Err(TimelineError::BadRequest("stopped after the open".into()));
+                }
+                tl.finish_restore()
+                    .map_err(|source| TimelineError::Acceptor {
+                        ttid: *ttid,
+                        dir: e.dir.display().to_string(),
+                        source: Box::new(source),
+                    })?;
+                Ok(tl)
+            });
+        let tl = match opened {
+            Ok(tl) => Arc::new(tl),
+            Err(err) => {
+                if upto == RestoreStep::All {
+                    // Stays evicted: the downloaded file goes (start-up would remove it too).
+                    if let Err(r) =
+                        crate::evicted::remove_local_wal(fs, &e.dir, seg_size, self.no_sync)
+                    {
+                        tracing::warn!(%ttid, "removing a failed restore's files: {r}");
+                    }
+                }
+                return Err(err);
+            }
+        };
+        if let Some(r) = self.storage.get() {
+            tl.set_remote(r.clone());
+        }
+        self.measure_new(&tl);
+        {
+            let mut map = self.map.lock().expect("timelines lock");
+            self.evicted.lock().expect("evicted lock").remove(ttid);
+            map.insert(*ttid, tl.clone());
+        }
+        self.changed.notify_one();
+        Ok(tl)
     }
 
     /// Every timeline, in id order.
@@ -380,7 +611,14 @@ impl GlobalTimelines {
     ) -> Result<Arc<Timeline>, TimelineError> {
         let ttid = greeting.ttid();
         if let Some(tl) = self.get(&ttid) {
+            // Flagged and on its way out (an eviction in progress): evicted.
+            if tl.is_evicted() {
+                return Err(TimelineError::Evicted(ttid));
+            }
             return Ok(tl);
+        }
+        if self.get_evicted(&ttid).is_some() {
+            return Err(TimelineError::Evicted(ttid));
         }
         if !allow_creation {
             return Err(TimelineError::NotFound(ttid));
@@ -392,6 +630,9 @@ impl GlobalTimelines {
         let _creating = self.create_lock.lock().expect("create lock");
         if let Some(tl) = self.get(&ttid) {
             return Ok(tl);
+        }
+        if self.get_evicted(&ttid).is_some() {
+            return Err(TimelineError::Evicted(ttid));
         }
         if self.is_tombstoned(&ttid) {
             return Err(TimelineError::Deleted(ttid));
@@ -434,7 +675,7 @@ impl GlobalTimelines {
         PgMajor::from_server_version(req.server.pg_version)?;
         req.mconf.validate().map_err(TimelineError::BadRequest)?;
         let _creating = self.create_lock.lock().expect("create lock");
-        if self.get(&req.ttid).is_some() {
+        if self.contains(&req.ttid) {
             return Err(TimelineError::Exists(req.ttid));
         }
         self.refuse_while_deleting(&req.ttid)?;
@@ -511,7 +752,7 @@ impl GlobalTimelines {
     ) -> Result<Arc<Timeline>, TimelineError> {
         let fs = &self.fs;
         let _creating = self.create_lock.lock().expect("create lock");
-        if self.get(&ttid).is_some() {
+        if self.contains(&ttid) {
             let _ = fs.remove_dir_all(tmp);
             return Err(TimelineError::Exists(ttid));
         }
@@ -650,7 +891,7 @@ impl GlobalTimelines {
     fn deletes_remote(
         &self,
         scope: DeleteScope,
-        tls: &[Arc<Timeline>],
+        tls: &[(TenantTimelineId, Configuration)],
         what: &str,
     ) -> Result<bool, TimelineError> {
         let remote = self.remote_on.load(Ordering::SeqCst);
@@ -662,11 +903,31 @@ impl GlobalTimelines {
             reason,
         };
         let mut all = decide(None).map_err(refuse)?;
-        for tl in tls {
-            all &= decide(Some(&tl.mconf()))
-                .map_err(|r| refuse(format!("timeline {}: {r}", tl.ttid)))?;
+        for (ttid, mconf) in tls {
+            all &= decide(Some(mconf)).map_err(|r| refuse(format!("timeline {ttid}: {r}")))?;
         }
         Ok(all)
+    }
+
+    /// The membership configurations of the timelines here (resident or evicted) whose ids
+    /// `pick` chooses.
+    fn mconfs(
+        &self,
+        pick: impl Fn(&TenantTimelineId) -> bool,
+    ) -> Vec<(TenantTimelineId, Configuration)> {
+        let mut v: Vec<_> = self
+            .all()
+            .into_iter()
+            .filter(|t| pick(&t.ttid))
+            .map(|t| (t.ttid, t.mconf()))
+            .collect();
+        v.extend(
+            self.all_evicted()
+                .into_iter()
+                .filter(|e| pick(&e.ttid))
+                .map(|e| (e.ttid, e.state.mconf.clone())),
+        );
+        v
     }
 
     /// The operator's delete of one timeline: a durable tombstone first (a late proposer
@@ -680,10 +941,11 @@ impl GlobalTimelines {
         scope: DeleteScope,
     ) -> Result<bool, TimelineError> {
         let _deleting = self.create_lock.lock().expect("create lock");
-        let here: Vec<Arc<Timeline>> = self.get(ttid).into_iter().collect();
+        let here = self.mconfs(|t| t == ttid);
         let remote = self.deletes_remote(scope, &here, &format!("timeline {ttid}"))?;
         self.write_tombstone_with(&timeline_tombstone(ttid), remote)?;
         let tl = self.map.lock().expect("timelines lock").remove(ttid);
+        let evicted = self.evicted.lock().expect("evicted lock").remove(ttid);
         if let Some(tl) = &tl {
             tl.mark_deleted();
         }
@@ -697,7 +959,7 @@ impl GlobalTimelines {
         }
         self.changed.notify_one();
         tracing::info!(%ttid, existed, remote, "timeline deleted over HTTP");
-        Ok(existed || tl.is_some())
+        Ok(existed || tl.is_some() || evicted.is_some())
     }
 
     /// The operator's delete of a whole tenant, as [`GlobalTimelines::delete_timeline`] with
@@ -709,11 +971,7 @@ impl GlobalTimelines {
         scope: DeleteScope,
     ) -> Result<usize, TimelineError> {
         let _deleting = self.create_lock.lock().expect("create lock");
-        let here: Vec<Arc<Timeline>> = self
-            .all()
-            .into_iter()
-            .filter(|t| t.ttid.tenant_id == *tenant_id)
-            .collect();
+        let here = self.mconfs(|t| t.tenant_id == *tenant_id);
         let remote = self.deletes_remote(scope, &here, &format!("tenant {tenant_id}"))?;
         self.write_tombstone_with(&tenant_id.to_string(), remote)?;
         let gone: Vec<Arc<Timeline>> = {
@@ -725,6 +983,12 @@ impl GlobalTimelines {
                 .collect();
             ids.iter().filter_map(|t| map.remove(t)).collect()
         };
+        let evicted = {
+            let mut ev = self.evicted.lock().expect("evicted lock");
+            let before = ev.len();
+            ev.retain(|t, _| t.tenant_id != *tenant_id);
+            before - ev.len()
+        };
         for tl in &gone {
             tl.mark_deleted();
         }
@@ -733,8 +997,8 @@ impl GlobalTimelines {
             remove_durably(&self.fs, &self.datadir, &dir, self.no_sync)?;
         }
         self.changed.notify_one();
-        tracing::info!(%tenant_id, timelines = gone.len(), "tenant deleted over HTTP");
-        Ok(gone.len())
+        tracing::info!(%tenant_id, timelines = gone.len() + evicted, "tenant deleted over HTTP");
+        Ok(gone.len() + evicted)
     }
 
     /// Builds the directory of a new timeline under `tmp/`, makes its control file and its
@@ -830,6 +1094,71 @@ fn read_small(fs: &Fs, path: &Path) -> Result<Vec<u8>, TimelineError> {
     Ok(buf)
 }
 
+/// Restores running at once on a node, by default (`--max-concurrent-restores`).
+pub const DEFAULT_RESTORES: usize = 8;
+
+/// Where [`GlobalTimelines::evict_steps`] stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EvictStep {
+    /// After the flag is persisted.
+    Flag,
+    /// After the registry moved it.
+    Registry,
+    /// Not before the end.
+    All,
+}
+
+/// Where [`GlobalTimelines::restore_steps`] stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RestoreStep {
+    /// After the segment is written.
+    Download,
+    /// After the timeline is opened (the flag still set).
+    Open,
+    /// Not before the end.
+    All,
+}
+
+/// A timeline as start-up found it.
+enum Loaded {
+    Resident(Box<Timeline>),
+    Evicted(EvictedTimeline),
+}
+
+/// Loads the timeline in `dir`: an evicted one (its control file says so) has what is left of
+/// its segment files removed and is not opened; any other is opened.
+fn load_one(
+    fs: &Fs,
+    dir: &Path,
+    node_id: NodeId,
+    no_sync: bool,
+    open_files: &OpenFiles,
+) -> Result<Loaded, TimelineError> {
+    let control = FileControlStore::load_in(fs.clone(), dir, no_sync)?;
+    if control.evicted {
+        let removed = crate::evicted::remove_local_wal(
+            fs,
+            dir,
+            u64::from(control.server.wal_seg_size),
+            no_sync,
+        )?;
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                "finished an eviction (or undid a restore) cut short"
+            );
+        }
+        return Ok(Loaded::Evicted(EvictedTimeline::new(
+            dir.to_path_buf(),
+            control.shared(),
+        )));
+    }
+    drop(control);
+    Ok(Loaded::Resident(Box::new(Timeline::open(
+        fs, dir, node_id, no_sync, open_files,
+    )?)))
+}
+
 /// Timelines opened at once at start-up. Opening one fsyncs its control file and recovered WAL;
 /// fsyncs in flight together share the disk's cache flushes (one flush covers all the waiting
 /// ones), so 10,000 timelines load in seconds rather than the minutes one at a time takes.
@@ -843,7 +1172,7 @@ fn open_all(
     node_id: NodeId,
     no_sync: bool,
     open_files: &OpenFiles,
-) -> Result<Vec<Timeline>, TimelineError> {
+) -> Result<Vec<Loaded>, TimelineError> {
     let next = AtomicUsize::new(0);
     let opened = Mutex::new(Vec::with_capacity(dirs.len()));
     let failed: Mutex<Option<TimelineError>> = Mutex::new(None);
@@ -856,10 +1185,17 @@ fn open_all(
             let _span =
                 tracing::info_span!("timeline", tenant_id = %tenant, timeline_id = %timeline)
                     .entered();
-            match Timeline::open(fs, dir, node_id, no_sync, open_files) {
-                Ok(tl) => {
-                    tracing::info!(positions = ?tl.positions(), "timeline loaded");
-                    opened.lock().expect("loaded timelines lock").push(tl);
+            match load_one(fs, dir, node_id, no_sync, open_files) {
+                Ok(loaded) => {
+                    match &loaded {
+                        Loaded::Resident(tl) => {
+                            tracing::info!(positions = ?tl.positions(), "timeline loaded")
+                        }
+                        Loaded::Evicted(e) => {
+                            tracing::debug!(end = %e.end_lsn(), "evicted timeline loaded")
+                        }
+                    }
+                    opened.lock().expect("loaded timelines lock").push(loaded);
                 }
                 Err(e) => {
                     failed.lock().expect("load error lock").get_or_insert(e);
@@ -918,6 +1254,22 @@ fn list_dir_sorted(fs: &Fs, dir: &Path) -> Result<Vec<PathBuf>, TimelineError> {
     names.sort();
     Ok(names.into_iter().map(|n| dir.join(n)).collect())
 }
+
+/// `safekeeper_timelines{state}`: timelines by state (`active`: a proposer or reader connected;
+/// `idle`: resident, nothing connected; `evicted`).
+const TIMELINES_BY_STATE: (&str, &str) = (
+    "safekeeper_timelines",
+    "Timelines of this node by state: active (a connection), idle (resident), evicted",
+);
+
+/// `safekeeper_wal_bytes{location}`: WAL of every timeline of this node in its local segments
+/// (`local`), and in remote storage by the timelines' LSNs (`remote`: complete segments backed
+/// up; for an evicted timeline, all its WAL).
+const WAL_BYTES: (&str, &str) = (
+    "safekeeper_wal_bytes",
+    "WAL of this node's timelines: in local segments (location=local), in remote storage \
+     (location=remote: complete segments backed up, and all of an evicted timeline's WAL)",
+);
 
 /// Per-timeline gauges, read from the timelines at scrape time.
 pub struct TimelineCollector {
@@ -1008,6 +1360,19 @@ impl TimelineCollector {
                 )
                 .expect("valid metric")
             })
+            .chain(
+                [(TIMELINES_BY_STATE, "state"), (WAL_BYTES, "location")].map(
+                    |((name, help), label)| {
+                        Desc::new(
+                            name.to_string(),
+                            help.to_string(),
+                            vec![label.into()],
+                            Default::default(),
+                        )
+                        .expect("valid metric")
+                    },
+                ),
+            )
             .collect();
         let c = TimelineCollector {
             timelines: Arc::downgrade(timelines),
@@ -1042,7 +1407,28 @@ impl Collector for TimelineCollector {
         };
         let vecs = timeline_gauges(TIMELINE_GAUGES, IntGaugeVec::new);
         let seconds = timeline_gauges(TIMELINE_SECONDS_GAUGES, GaugeVec::new);
-        for tl in timelines.all() {
+        let by_state = IntGaugeVec::new(
+            Opts::new(TIMELINES_BY_STATE.0, TIMELINES_BY_STATE.1),
+            &["state"],
+        )
+        .expect("valid metric");
+        let wal_bytes =
+            IntGaugeVec::new(Opts::new(WAL_BYTES.0, WAL_BYTES.1), &["location"]).expect("valid");
+        let (mut local_bytes, mut remote_bytes) = (0u64, 0u64);
+        for e in timelines.all_evicted() {
+            remote_bytes += e.end_lsn().0.saturating_sub(e.wal_start_lsn().0);
+        }
+        let resident = timelines.all();
+        let active = resident.iter().filter(|t| t.connections() > 0).count();
+        for (state, n) in [
+            ("active", active),
+            ("idle", resident.len() - active),
+            ("evicted", timelines.counts().1),
+        ] {
+            by_state.with_label_values(&[state]).set(n as i64);
+        }
+        // Per-timeline series are for resident timelines; an evicted one is counted above.
+        for tl in resident {
             let s = tl.status();
             let lags = tl.reader_lags();
             let t = tl.ttid.tenant_id.to_string();
@@ -1054,6 +1440,14 @@ impl Collector for TimelineCollector {
                 None => 0,
             };
             let local_start = s.removal_horizon_lsn.max(s.local_start_lsn).0;
+            let wal_start = s.local_start_lsn.max(s.timeline_start_lsn).0;
+            local_bytes += s
+                .flush_lsn
+                .0
+                .saturating_sub(local_start - local_start % seg);
+            if s.remote_location.is_some() {
+                remote_bytes += s.backup_lsn.0.saturating_sub(wal_start);
+            }
             let values = [
                 s.flush_lsn.0 as i64,
                 s.commit_lsn.0 as i64,
@@ -1084,6 +1478,16 @@ impl Collector for TimelineCollector {
         vecs.iter()
             .flat_map(|v| v.collect())
             .chain(seconds.iter().flat_map(|v| v.collect()))
+            .chain(by_state.collect())
+            .chain({
+                wal_bytes
+                    .with_label_values(&["local"])
+                    .set(local_bytes as i64);
+                wal_bytes
+                    .with_label_values(&["remote"])
+                    .set(remote_bytes as i64);
+                wal_bytes.collect()
+            })
             .collect()
     }
 }

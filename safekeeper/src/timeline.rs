@@ -136,6 +136,52 @@ pub struct TimelineStatus {
     pub remote_location: Option<String>,
     /// Peer recovery ([`crate::recovery`]).
     pub recovery: RecoveryStatus,
+    /// Evicted ([`crate::evict`]): only the control file is local; the WAL is in remote
+    /// storage and ends at `flush_lsn` (= `commit_lsn`). Restored on demand.
+    pub evicted: bool,
+}
+
+impl TimelineStatus {
+    /// The status of evicted timeline `e` of node `node_id`, from its control file, with its
+    /// objects at `remote_location`.
+    pub fn of_evicted(
+        e: &crate::evicted::EvictedTimeline,
+        node_id: NodeId,
+        remote_location: Option<String>,
+    ) -> TimelineStatus {
+        let s = &e.state;
+        let end = e.end_lsn();
+        TimelineStatus {
+            tenant_id: s.tenant_id,
+            timeline_id: s.timeline_id,
+            node_id,
+            term: s.acceptor_state.term,
+            last_log_term: s.acceptor_state.term_history.up_to(end).last_log_term(),
+            term_history: s.acceptor_state.term_history.up_to(end),
+            flush_lsn: end,
+            write_lsn: end,
+            commit_lsn: end,
+            persisted_commit_lsn: end,
+            timeline_start_lsn: s.timeline_start_lsn,
+            local_start_lsn: s.local_start_lsn,
+            peer_horizon_lsn: s.peer_horizon_lsn,
+            system_id: s.server.system_id,
+            pg_version: s.server.pg_version,
+            wal_seg_size: s.server.wal_seg_size,
+            generation: s.mconf.generation.0,
+            mconf: s.mconf.clone(),
+            elected_generation: s.acceptor_state.elected_generation.0,
+            proposers: 0,
+            readers: 0,
+            reader_feedback: Vec::new(),
+            hs_feedback: HsFeedbackStatus::default(),
+            backup_lsn: s.backup_lsn,
+            removal_horizon_lsn: end.segment_start(e.seg_size()),
+            remote_location,
+            recovery: RecoveryStatus::default(),
+            evicted: true,
+        }
+    }
 }
 
 /// The readers' oldest xmin and catalog xmin, as full 64-bit transaction ids (0: none).
@@ -200,6 +246,9 @@ pub struct Timeline {
     proposer_arrived: Notify,
     /// Set while a peer-recovery check or session of this timeline runs (one at a time).
     recovery_busy: Arc<AtomicBool>,
+    /// Set (under the acceptor lock) once the timeline is evicted ([`crate::evict`]): this
+    /// object then refuses every message and save; a restore opens a new one.
+    evicted: AtomicBool,
     /// What the status shows of peer recovery.
     recovery: LeafMutex<RecoveryStatus>,
     /// Test hook: runs in a walsender between its term check and its WAL read.
@@ -303,6 +352,7 @@ impl Timeline {
             disk: LeafMutex::new(Default::default()),
             proposer_arrived: Notify::new(),
             recovery_busy: Arc::new(AtomicBool::new(false)),
+            evicted: AtomicBool::new(false),
             recovery: LeafMutex::new(RecoveryStatus::default()),
             #[cfg(test)]
             before_wal_read: Mutex::new(None),
@@ -408,6 +458,7 @@ impl Timeline {
             ))
             .into());
         }
+        self.refuse_if_evicted()?;
         if recovery && self.proposers.load(Ordering::SeqCst) > 0 {
             return Err(storage::Error::Rejected(
                 "a proposer is connected: peer recovery's WAL is refused".into(),
@@ -443,6 +494,7 @@ impl Timeline {
         // A removal may claim segments between the choice and the hold: choose again.
         for _ in 0..8 {
             let a = self.lock();
+            self.refuse_if_evicted().map_err(|e| e.to_string())?;
             let state = a.state().clone();
             let flush = a.flush_lsn();
             let inmem = lsns_of(&a.inmem());
@@ -489,9 +541,78 @@ impl Timeline {
     /// Blocking (a control-file write and fsync).
     pub fn set_membership(&self, mconf: Configuration) -> Result<bool, SafeKeeperError> {
         let mut a = self.lock();
+        self.refuse_if_evicted()?;
         let r = a.set_membership(mconf);
         self.publish(&a);
         r
+    }
+
+    /// Refused once evicted (read under the acceptor lock).
+    fn refuse_if_evicted(&self) -> Result<(), storage::Error> {
+        if self.evicted.load(Ordering::SeqCst) {
+            return Err(storage::Error::Rejected(format!(
+                "timeline {} was evicted on this safekeeper: reconnect to have it restored",
+                self.ttid
+            )));
+        }
+        Ok(())
+    }
+
+    /// The first step of an eviction ([`crate::evict`]): under the acceptor lock, refused while
+    /// a proposer or reader is connected, after a deletion, or unless every byte of WAL is
+    /// written, durable and committed (in memory and in the control file) at `end`. Then the
+    /// control file is persisted with the eviction flag and the WAL store released; from here
+    /// on this object refuses every message. Returns the persisted state. Blocking.
+    pub fn begin_eviction(&self, end: Lsn) -> Result<Arc<TimelinePersistentState>, TimelineError> {
+        let refuse = |why: String| TimelineError::Storage(storage::Error::Rejected(why));
+        let mut a = self.lock();
+        if self.deleted.is_cancelled() || self.evicted.load(Ordering::SeqCst) {
+            return Err(refuse(format!(
+                "timeline {} is deleted or evicted",
+                self.ttid
+            )));
+        }
+        let (proposers, readers) = (
+            self.proposers.load(Ordering::SeqCst),
+            self.readers.load(Ordering::SeqCst),
+        );
+        if proposers + readers > 0 {
+            return Err(refuse(format!(
+                "{proposers} proposer(s) and {readers} reader(s) are connected"
+            )));
+        }
+        let (write, flush) = (a.write_lsn(), a.flush_lsn());
+        let (inmem, persisted) = (a.inmem().commit_lsn, a.control().commit_lsn);
+        if write != end || flush != end || inmem != end || persisted != end {
+            return Err(refuse(format!(
+                "the WAL moved: written {write}, durable {flush}, committed {inmem} (persisted \
+                 {persisted}), eviction was decided at {end}"
+            )));
+        }
+        a.persist_evicted(true)
+            .map_err(|e| refuse(format!("persisting the eviction flag: {e}")))?;
+        self.evicted.store(true, Ordering::SeqCst);
+        if let Err(e) = a.wal_mut().release() {
+            // Only a leftover prepared segment failed to go: the flag is set, the files are
+            // removed next (and at start-up), and no write is taken any more.
+            tracing::warn!("releasing the WAL store: {e}");
+        }
+        self.publish(&a);
+        Ok(a.control().shared())
+    }
+
+    /// The last step of a restore ([`crate::evict`]): clears the eviction flag of a timeline
+    /// just opened from an evicted directory, durably. Blocking.
+    pub fn finish_restore(&self) -> Result<(), SafeKeeperError> {
+        let mut a = self.lock();
+        a.persist_evicted(false)?;
+        self.publish(&a);
+        Ok(())
+    }
+
+    /// Whether this object was evicted (a restore made a new one).
+    pub fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::SeqCst)
     }
 
     /// The latest positions.
@@ -769,6 +890,7 @@ impl Timeline {
             removal_horizon_lsn: Lsn(self.holds.removed_below() * self.seg_size),
             remote_location: self.remote().map(|r| r.timeline_location(&self.ttid)),
             recovery: self.recovery.lock().clone(),
+            evicted: false,
         }
     }
 
@@ -821,6 +943,10 @@ impl Timeline {
     pub fn maybe_persist(&self, force: bool) -> Result<bool, SafeKeeperError> {
         let due = force || self.last_persist.lock().elapsed() >= CONTROL_FILE_SAVE_INTERVAL;
         let mut a = self.lock();
+        if self.evicted.load(Ordering::SeqCst) {
+            // The control file is the evicted timeline's (or its restored successor's) now.
+            return Ok(false);
+        }
         let wrote = a.maybe_persist_inmem(due);
         self.publish(&a);
         drop(a);
@@ -828,6 +954,11 @@ impl Timeline {
             *self.last_persist.lock() = Instant::now();
         }
         wrote
+    }
+
+    /// Proposers and readers connected now.
+    pub fn connections(&self) -> usize {
+        self.proposers.load(Ordering::SeqCst) + self.readers.load(Ordering::SeqCst)
     }
 
     /// Counts a connected proposer until the guard drops.
@@ -991,6 +1122,18 @@ pub enum TimelineError {
         /// Why, and what to do instead.
         reason: String,
     },
+    /// The timeline is evicted here: restore it first ([`crate::evict::restore`]).
+    #[error("timeline {0} is evicted on this safekeeper (it is restored on demand)")]
+    Evicted(TenantTimelineId),
+    /// An evicted timeline could not be restored (remote storage failed or lacks its WAL); it
+    /// stays evicted and the next demand tries again.
+    #[error("restoring evicted timeline {ttid}: {reason} (it stays evicted; retry)")]
+    RestoreFailed {
+        /// The timeline.
+        ttid: TenantTimelineId,
+        /// Why.
+        reason: String,
+    },
     /// An explicit create of a timeline that exists.
     #[error("timeline {0} exists already")]
     Exists(TenantTimelineId),
@@ -1033,6 +1176,8 @@ impl TimelineError {
     pub fn sqlstate(&self) -> &'static str {
         match self {
             TimelineError::NotFound(_)
+            | TimelineError::Evicted(_)
+            | TimelineError::RestoreFailed { .. }
             | TimelineError::Deleted(_)
             | TimelineError::Exists(_)
             | TimelineError::BeingDeleted(_)

@@ -342,6 +342,7 @@ async fn handle_connection(
                     FieldDescription::text("flush_lsn"),
                     FieldDescription::text("commit_lsn"),
                 ];
+                let evicted = conn_ttid.and_then(|t| timelines.get_evicted(&t));
                 let rows: Vec<Vec<Option<String>>> = match conn_ttid.and_then(|t| timelines.get(&t))
                 {
                     Some(tl) => {
@@ -351,7 +352,15 @@ async fn handle_connection(
                             Some(pos.commit_lsn.to_string()),
                         ]]
                     }
-                    None => Vec::new(),
+                    // Evicted: its WAL ends at its commit LSN (no restore for a status).
+                    None => evicted
+                        .map(|e| {
+                            vec![vec![
+                                Some(e.end_lsn().to_string()),
+                                Some(e.end_lsn().to_string()),
+                            ]]
+                        })
+                        .unwrap_or_default(),
                 };
                 conn.send_result_set(&fields, &rows, "TIMELINE_STATUS")
                     .await?;
@@ -425,21 +434,20 @@ async fn handle_connection(
 /// The timeline a reader's command is about, or an error sent to it (`None`).
 async fn resolve<S>(
     conn: &mut ServerConn<S>,
-    timelines: &GlobalTimelines,
+    timelines: &Arc<GlobalTimelines>,
     conn_ttid: Option<TenantTimelineId>,
     claims: Option<&Claims>,
 ) -> Result<Option<Arc<Timeline>>, PqError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let found = match conn_ttid {
-        Some(ttid) => timelines
-            .get(&ttid)
-            .ok_or_else(|| format!("timeline {ttid} not found")),
+    // The timeline named, or the node's only one (resident or evicted).
+    let named = match conn_ttid {
+        Some(ttid) => Ok(ttid),
         None => {
-            let all = timelines.all();
-            match all.len() {
-                1 => Ok(all[0].clone()),
+            let ids = timelines.ids();
+            match ids.len() {
+                1 => Ok(ids[0]),
                 0 => Err("this safekeeper has no timelines yet".to_string()),
                 n => Err(format!(
                     "this safekeeper has {n} timelines: name one with \
@@ -448,9 +456,10 @@ where
             }
         }
     };
-    // A tenant token reaches only its tenant's timelines.
-    if let (Ok(tl), Some(claims)) = (&found, claims)
-        && let Err(e) = check_permission(claims, Some(tl.ttid.tenant_id))
+    // A tenant token reaches only its tenant's timelines (checked before an evicted one is
+    // restored for it).
+    if let (Ok(ttid), Some(claims)) = (&named, claims)
+        && let Err(e) = check_permission(claims, Some(ttid.tenant_id))
     {
         conn.send_error(ErrorFields::error(
             sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
@@ -459,6 +468,15 @@ where
         .await?;
         return Ok(None);
     }
+    // An evicted timeline is restored for its reader.
+    let found = match named {
+        Ok(ttid) => match crate::evict::restore(timelines, &ttid).await {
+            Ok(Some(tl)) => Ok(tl),
+            Ok(None) => Err(format!("timeline {ttid} not found")),
+            Err(e) => Err(e.to_string()),
+        },
+        Err(msg) => Err(msg),
+    };
     match found {
         Ok(tl) => Ok(Some(tl)),
         Err(msg) => {
@@ -501,14 +519,25 @@ async fn negotiate_tls(
 fn timeline_version(timelines: Arc<GlobalTimelines>) -> pq_proto::server::VersionFor {
     Arc::new(move |params| {
         let o = parse_options(params.get("options").unwrap_or("")).ok()?;
-        let tl = match (o.tenant_id, o.timeline_id) {
-            (Some(tenant_id), Some(timeline_id)) => timelines.get(&TenantTimelineId {
-                tenant_id,
-                timeline_id,
-            })?,
-            _ => timelines.only_one()?,
+        let v = match (o.tenant_id, o.timeline_id) {
+            (Some(tenant_id), Some(timeline_id)) => {
+                let ttid = TenantTimelineId {
+                    tenant_id,
+                    timeline_id,
+                };
+                match timelines.get(&ttid) {
+                    Some(tl) => tl.pg_version(),
+                    None => timelines.get_evicted(&ttid)?.state.server.pg_version,
+                }
+            }
+            _ => match timelines.ids().as_slice() {
+                [only] => match timelines.get(only) {
+                    Some(tl) => tl.pg_version(),
+                    None => timelines.get_evicted(only)?.state.server.pg_version,
+                },
+                _ => return None,
+            },
         };
-        let v = tl.pg_version();
         pg_wal::PgMajor::from_server_version(v).ok()?;
         Some(format!("{}.{} (mini-safekeeper)", v / 10000, v % 10000))
     })

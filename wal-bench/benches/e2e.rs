@@ -12,9 +12,11 @@
 //! - `e2e_tls/tls={off,on}/size=131072` and `e2e_tls_commit/tls={off,on}/size=8192`: the same
 //!   with one safekeeper, over plain TCP and over TLS (rustls, `--sslmode require`), in the
 //!   same run: the ratio is what TLS costs ingest.
-//! - `e2e_backup/backup={off,on}/size=131072`: 3 safekeepers, 128 KiB pipelined, without and
-//!   with `--remote-storage file://` (backup of complete segments beside the data directory, or
-//!   under `$WAL_BENCH_BACKUP_DIR`), in the same run: the ratio is what WAL backup costs ingest.
+//! - `e2e_backup/backup={off,on,on+partial=1s}/size=131072`: 3 safekeepers, 128 KiB pipelined,
+//!   without and with `--remote-storage file://` (backup of complete segments beside the data
+//!   directory, or under `$WAL_BENCH_BACKUP_DIR`; partial-segment backup off, then with
+//!   `--partial-backup-timeout 1s` and `--eviction-min-idle 2s`), in the same run: the ratios are
+//!   what WAL backup, and then partial-segment backup and eviction, cost ingest.
 //! - `echo_rtt/size=8192`: the physical limit beside the commits: one round trip to a
 //!   zero-cost echo peer in another process (`src/bin/echo-peer.rs`): an 8 KiB frame out, a
 //!   64-byte reply back, blocking I/O on both ends. Throughput: round trips. One end-to-end
@@ -92,12 +94,16 @@ struct Security {
     jwt: bool,
     /// WAL backup to a `file://` store beside the data directory (issue 19).
     backup: bool,
+    /// With `backup`: `--partial-backup-timeout` and `--eviction-min-idle` (issue 30; zero:
+    /// both off).
+    partial: Duration,
 }
 
 const PLAIN: Security = Security {
     tls: false,
     jwt: false,
     backup: false,
+    partial: Duration::ZERO,
 };
 
 /// `store`: the `file://` remote storage the run's nodes share (with `sec.backup`).
@@ -115,6 +121,8 @@ async fn start_daemon(
     }
     if let Some(store) = store {
         conf.remote_storage = Some(format!("file://{}", store.display()));
+        conf.partial_backup_timeout = sec.partial;
+        conf.eviction_min_idle = sec.partial * 2;
     }
     let tls = sec.tls.then_some(&secrets.tls);
     Daemon::start(conf, sec.jwt.then(|| secrets.token.clone()), tls)
@@ -314,8 +322,16 @@ fn e2e(c: &mut Criterion) {
     let mut g = c.benchmark_group("e2e_backup");
     g.sampling_mode(SamplingMode::Flat);
     g.throughput(Throughput::Bytes(total));
-    for (name, backup) in [("off", false), ("on", true)] {
-        let sec = Security { backup, ..PLAIN };
+    for (name, backup, partial) in [
+        ("off", false, Duration::ZERO),
+        ("on", true, Duration::ZERO),
+        ("on+partial=1s", true, Duration::from_secs(1)),
+    ] {
+        let sec = Security {
+            backup,
+            partial,
+            ..PLAIN
+        };
         g.bench_function(
             BenchmarkId::new(format!("backup={name}"), format!("size={size}")),
             |b| b.iter_custom(|iters| run_times(iters, &rt, 3, &opts, sec, secrets)),

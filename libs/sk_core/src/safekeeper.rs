@@ -332,6 +332,17 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
         Ok(true)
     }
 
+    /// Persists the in-memory values with the eviction flag set to `evicted` (see
+    /// [`TimelinePersistentState::evicted`]; the node decides when, the core never reads it).
+    pub fn persist_evicted(&mut self, evicted: bool) -> Result<(), SafeKeeperError> {
+        let mut s = self.state_with_inmem();
+        s.evicted = evicted;
+        if s != *self.control {
+            self.control.persist(&s)?;
+        }
+        Ok(())
+    }
+
     /// Run by the timeline manager periodically (neon: every 300 ms). Persists the in-memory
     /// values if `force` (the caller's save interval elapsed, or shutdown) or if the commit LSN
     /// ran a whole segment ahead of the persisted one. Returns whether it wrote.

@@ -113,6 +113,11 @@ pub struct TimelinePersistentState {
     /// Complete segments below this are stored in remote storage (0 without remote storage).
     /// Only grows; committed WAL only, so no term truncates below it.
     pub backup_lsn: Lsn,
+    /// Whether this node evicted the timeline: its WAL is wholly in remote storage (complete
+    /// segments below `backup_lsn`, the segment holding `commit_lsn` as a partial object) and
+    /// its local segment files are (being) removed; `commit_lsn` is its end of WAL. Set and
+    /// cleared by the node, never by the consensus core.
+    pub evicted: bool,
     /// Creation time, seconds since the Unix epoch (set by whoever creates the timeline; the
     /// consensus core never reads the clock).
     pub creation_ts: u64,
@@ -139,6 +144,7 @@ impl TimelinePersistentState {
             peer_horizon_lsn: Lsn::INVALID,
             remote_consistent_lsn: Lsn::INVALID,
             backup_lsn: Lsn::INVALID,
+            evicted: false,
             creation_ts,
         }
     }

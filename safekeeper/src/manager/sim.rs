@@ -44,7 +44,7 @@ use sk_core::types::{Generation, Lsn, NodeId, TenantTimelineId, Term, TermHistor
 use super::tests::cfg;
 use super::*;
 use crate::lifecycle::observe;
-use crate::registry::{CreateTimeline, GlobalTimelines};
+use crate::registry::{CreateTimeline, EvictStep, GlobalTimelines, RestoreStep};
 use crate::remove_wal::ReadHold;
 use crate::test_util::{DATADIR, greeting, run, vote};
 use crate::timeline::Timeline;
@@ -54,6 +54,8 @@ const SEG: u64 = 1 << 20;
 const START: Lsn = Lsn(SEG);
 /// The simulated nodes' `--partial-backup-timeout` (a step moves the clock 20 ms to 2.5 s).
 const PARTIAL_TIMEOUT: Duration = Duration::from_secs(1);
+/// The simulated nodes' `--eviction-min-idle`.
+const EVICT_AFTER: Duration = Duration::from_secs(2);
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -83,7 +85,8 @@ struct Live {
     core: ManagerCore,
     /// Actions asked for and not yet performed (in flight).
     pending: Vec<Action>,
-    holds: Vec<(Lsn, ReadHold)>,
+    /// Readers' holds, each with its connection (counted: an eviction is refused meanwhile).
+    holds: Vec<(Lsn, ReadHold, crate::timeline::ConnectionGuard)>,
 }
 
 /// One safekeeper.
@@ -93,8 +96,13 @@ struct Node {
     fs: Fs,
     /// `None` only while the process is down (within a crash step).
     timelines: Option<GlobalTimelines>,
-    /// `None` while the timeline is deleted (or not pulled).
+    /// `None` while the timeline is deleted (or not pulled), or evicted.
     live: Option<Live>,
+    /// The timeline is evicted on this node (its WAL wholly in the store; `live` is `None`).
+    evicted: bool,
+    /// The segment the last restore brought back: below it, the node's WAL is in the store
+    /// only (eviction required it), whatever the peers' horizon.
+    restored_from: Option<u64>,
     /// The end of WAL this node acknowledged to the proposer (durable there).
     acked: Lsn,
     /// The term the proposer last elected this node in (0: never, or since its restart).
@@ -146,6 +154,8 @@ impl Sim {
                     fs,
                     timelines: Some(timelines),
                     live: None,
+                    evicted: false,
+                    restored_from: None,
                     acked: START,
                     elected: 0,
                 }
@@ -216,6 +226,7 @@ impl Sim {
             })
             .expect("the timeline is created");
             self.nodes[i].acked = START;
+            self.nodes[i].restored_from = None;
             self.attach(i, tl);
             assert!(vote(&self.nodes[i].live.as_ref().unwrap().tl, 1).vote_given);
             self.elect_on(i);
@@ -228,6 +239,7 @@ impl Sim {
         let mut core = ManagerCore::new(
             Config {
                 partial_timeout: Some(PARTIAL_TIMEOUT),
+                evict_after: Some(EVICT_AFTER),
                 ..cfg()
             },
             observe(&tl),
@@ -236,6 +248,7 @@ impl Sim {
         let pending = core.step(Event::Tick(self.now));
         let node = &mut self.nodes[i];
         node.elected = 0;
+        node.evicted = false;
         node.live = Some(Live {
             tl,
             core,
@@ -278,8 +291,9 @@ impl Sim {
     /// A new term: the proposer asks a random quorum of the nodes for votes, takes the most
     /// advanced voter's WAL as the term's start, and is elected on its voters.
     fn new_term(&mut self) {
+        // A new proposer's greeting restores an evicted node.
         let candidates: Vec<usize> = (0..self.nodes.len())
-            .filter(|&i| self.nodes[i].live.is_some())
+            .filter(|&i| self.nodes[i].live.is_some() || (self.nodes[i].evicted && self.restore(i)))
             .collect();
         if candidates.len() < self.quorum() {
             return;
@@ -345,7 +359,7 @@ impl Sim {
     /// The primary generates a chunk of WAL; the proposer streams what each node it reaches
     /// lacks and commits what a quorum of this term's nodes acknowledged.
     fn append(&mut self) {
-        if self.nodes.iter().all(|n| n.live.is_none()) {
+        if self.nodes.iter().all(|n| n.live.is_none() && !n.evicted) {
             return;
         }
         let size = self.rng.random_range(20_000..500_000);
@@ -354,8 +368,13 @@ impl Sim {
         self.proposer.sent.extend_from_slice(&wal);
         let mut reached = Vec::new();
         for i in 0..self.nodes.len() {
-            if self.nodes[i].live.is_some() && self.cut_off != Some(i) && self.rng.random_bool(0.8)
-            {
+            let present = self.nodes[i].live.is_some() || self.nodes[i].evicted;
+            if present && self.cut_off != Some(i) && self.rng.random_bool(0.8) {
+                // The proposer's connection restores an evicted node (unless the store is
+                // down: the node is not reached this time).
+                if self.nodes[i].evicted && !self.restore(i) {
+                    continue;
+                }
                 self.stream_to(i);
                 reached.push(i + 1);
             }
@@ -416,6 +435,53 @@ impl Sim {
         assert_eq!(tl.positions().flush_lsn, end, "seed {}: flushed", self.seed);
         self.nodes[i].acked = end;
         self.feed(i, Event::Observed(observe(&tl)));
+    }
+
+    /// The proposer tells the live nodes of its term the commit LSN (an empty append, as its
+    /// keep-alive does): a quiet node's commit LSN reaches its end of WAL.
+    fn heartbeat(&mut self) {
+        let commit = self.proposer.committed;
+        for i in 0..self.nodes.len() {
+            let Some(live) = &self.nodes[i].live else {
+                continue;
+            };
+            if self.nodes[i].elected != self.proposer.term || self.cut_off == Some(i) {
+                continue;
+            }
+            let tl = live.tl.clone();
+            let end = tl.positions().flush_lsn;
+            run(
+                &tl,
+                ProposerAcceptorMessage::AppendRequest(AppendRequest {
+                    h: AppendRequestHeader {
+                        generation: Generation(0),
+                        term: Term(self.proposer.term),
+                        begin_lsn: end,
+                        end_lsn: end,
+                        commit_lsn: commit,
+                        truncate_lsn: Lsn::INVALID,
+                    },
+                    wal_data: Bytes::new(),
+                }),
+            );
+            self.feed(i, Event::Observed(observe(&tl)));
+        }
+    }
+
+    /// A quiet spell: no new WAL for seconds while the managers do their work (the
+    /// primary's keep-alive carries the commit LSN): partial uploads, evictions.
+    fn quiet(&mut self) {
+        self.note("quiet spell".into());
+        self.heartbeat();
+        for _ in 0..4 {
+            self.now += Duration::from_millis(self.rng.random_range(300..1500));
+            for i in 0..self.nodes.len() {
+                self.feed(i, Event::Tick(self.now));
+            }
+            for _ in 0..12 {
+                self.perform();
+            }
+        }
     }
 
     /// Performs one action in flight of a random node, chosen at random (they finish in any
@@ -493,6 +559,35 @@ impl Sim {
                         .is_ok();
                 Event::RemovedPartials { below, ok }
             }
+            Action::Evict { end } => {
+                // Sometimes the process dies right after the flag, or after the registry moved
+                // it (before its files are removed).
+                let upto = match self.rng.random_range(0..8) {
+                    0 => EvictStep::Flag,
+                    1 => EvictStep::Registry,
+                    _ => EvictStep::All,
+                };
+                let r =
+                    crate::blocking::section(|| self.nodes[i].tls().evict_steps(&tl, end, upto));
+                self.note(format!(
+                    "node {}: evict at {end} ({upto:?}) -> {r:?}",
+                    i + 1
+                ));
+                let ok = r.is_ok();
+                drop(tl);
+                self.feed(i, Event::Evicted { ok });
+                if ok {
+                    self.stats.evictions += 1;
+                    let node = &mut self.nodes[i];
+                    node.live = None;
+                    node.evicted = true;
+                    node.elected = 0;
+                    if upto != EvictStep::All {
+                        self.crash(i);
+                    }
+                }
+                return;
+            }
             a => panic!("seed {}: {a:?} is not performed by the driver", self.seed),
         };
         self.note(format!("node {}: {action:?} -> {event:?}", i + 1));
@@ -514,6 +609,7 @@ impl Sim {
             let node = &mut self.nodes[i];
             // The process is gone: no thread of it (a segment preparation) touches the disk.
             node.live = None;
+            node.evicted = false;
             node.timelines = None;
             if power {
                 let mut rng = StdRng::seed_from_u64(loss_seed);
@@ -548,6 +644,90 @@ impl Sim {
             // Sometimes the proposer restarted too: a new term.
             if self.rng.random_bool(0.3) {
                 self.new_term();
+            }
+        } else if let Some(e) = self.nodes[i].tls().get_evicted(&self.ttid) {
+            assert!(
+                e.end_lsn() >= self.nodes[i].acked,
+                "seed {}: evicted node {} lost WAL it acknowledged: its end {} < acked {}\n{}",
+                self.seed,
+                i + 1,
+                e.end_lsn(),
+                self.nodes[i].acked,
+                self.replay_hint()
+            );
+            self.nodes[i].evicted = true;
+            self.nodes[i].elected = 0;
+        }
+    }
+
+    /// Restores node `i`'s evicted timeline as a proposer's or reader's connection does
+    /// (download, then the registry's steps; sometimes the process dies at one of them, and
+    /// the node restarts still evicted). Returns whether it is resident now.
+    fn restore(&mut self, i: usize) -> bool {
+        if self.store_down {
+            return false;
+        }
+        let tls = self.nodes[i].tls();
+        let e = tls.get_evicted(&self.ttid).expect("evicted");
+        let data = e.segment_to_restore().map(|segno| {
+            self.rt
+                .block_on(crate::evict::download(
+                    &self.backup.storage,
+                    &self.ttid,
+                    SEG,
+                    segno,
+                    e.end_lsn(),
+                ))
+                .expect("the in-memory store answers")
+                .unwrap_or_else(|| {
+                    panic!(
+                        "seed {}: node {}'s evicted WAL (segment {segno} up to {}) is not in \
+                         the store\n{}",
+                        self.seed,
+                        i + 1,
+                        e.end_lsn(),
+                        self.replay_hint()
+                    )
+                })
+        });
+        let upto = match self.rng.random_range(0..10) {
+            0 => RestoreStep::Download,
+            1 => RestoreStep::Open,
+            _ => RestoreStep::All,
+        };
+        let r = crate::blocking::section(|| tls.restore_steps(&self.ttid, data.as_deref(), upto));
+        self.note(format!(
+            "node {}: restore ({upto:?}) -> {:?}",
+            i + 1,
+            r.as_ref()
+                .map(|t| t.positions().flush_lsn)
+                .map_err(|e| e.to_string())
+        ));
+        match r {
+            Ok(tl) => {
+                assert!(
+                    tl.positions().flush_lsn >= self.nodes[i].acked,
+                    "seed {}: restored node {} lost WAL it acknowledged\n{}",
+                    self.seed,
+                    i + 1,
+                    self.replay_hint()
+                );
+                self.stats.restores += 1;
+                let from = tl.positions().flush_lsn.segment_number(SEG);
+                let node = &mut self.nodes[i];
+                node.restored_from = Some(from);
+                self.attach(i, tl);
+                true
+            }
+            Err(e) if upto == RestoreStep::All => panic!(
+                "seed {}: node {}'s restore failed: {e}\n{}",
+                self.seed,
+                i + 1,
+                self.replay_hint()
+            ),
+            Err(_) => {
+                self.crash(i);
+                false
             }
         }
     }
@@ -709,7 +889,7 @@ impl Sim {
         // The new node takes the old one's place (a membership switch keeps the count) once it
         // has caught up; what the old one held is gone with it.
         let Some(t) = target else { return };
-        if self.nodes[t].live.is_none() {
+        if self.nodes[t].live.is_none() && !self.nodes[t].evicted {
             // Deleted meanwhile on the cluster: the pulled copy is not installed.
             return;
         }
@@ -719,6 +899,8 @@ impl Sim {
             fs: pfs,
             timelines: Some(puller),
             live: None,
+            evicted: false,
+            restored_from: None,
             acked: START,
             elected: 0,
         };
@@ -733,20 +915,23 @@ impl Sim {
     /// The operator deletes the timeline on every node: each manager stops, its work in
     /// flight is dropped.
     fn delete(&mut self) {
-        if self.nodes.iter().any(|n| n.live.is_none()) {
+        if self.nodes.iter().any(|n| n.live.is_none() && !n.evicted) {
             return;
         }
         for i in 0..self.nodes.len() {
-            let mut live = self.nodes[i].live.take().unwrap();
-            live.holds.clear();
+            let live = self.nodes[i].live.take();
+            self.nodes[i].evicted = false;
             crate::blocking::section(|| {
                 self.nodes[i]
                     .tls()
                     .delete_timeline(&self.ttid, crate::manager::DeleteScope::Everywhere)
             })
             .expect("deleting the timeline");
-            assert_eq!(live.core.step(Event::Deleted), vec![Action::Stop]);
-            assert_eq!(live.core.step(Event::Stopped), vec![Action::Finished]);
+            if let Some(mut live) = live {
+                live.holds.clear();
+                assert_eq!(live.core.step(Event::Deleted), vec![Action::Stop]);
+                assert_eq!(live.core.step(Event::Stopped), vec![Action::Finished]);
+            }
             assert!(
                 !self.nodes[i].tls().pending_remote_deletions().is_empty(),
                 "seed {}: a delete with remote storage leaves its objects to delete",
@@ -828,17 +1013,20 @@ impl Sim {
         let flush = live.tl.positions().flush_lsn;
         let lsn = Lsn(self.rng.random_range(START.0..=flush.0));
         if let Some(h) = live.tl.hold_wal(lsn) {
-            live.holds.push((lsn, h));
+            live.holds.push((lsn, h, live.tl.reader_guard()));
         }
     }
 
     fn step(&mut self) {
-        let deleted = self.nodes.iter().all(|n| n.live.is_none());
+        let deleted = self.nodes.iter().all(|n| n.live.is_none() && !n.evicted);
         match self.rng.random_range(0..100) {
             0..30 => self.append(),
             30..70 => self.perform(),
             70..78 => {
                 self.now += Duration::from_millis(self.rng.random_range(20..2500));
+                if self.rng.random_bool(0.5) {
+                    self.heartbeat();
+                }
                 for i in 0..self.nodes.len() {
                     self.feed(i, Event::Tick(self.now));
                 }
@@ -865,6 +1053,7 @@ impl Sim {
                 self.note(format!("cut off: {cut:?}"));
             }
             _ if deleted => self.after_delete(),
+            97 => self.quiet(),
             _ => self.perform(),
         }
         if std::env::var("MANAGER_SIM_NO_CHECK").is_err() {
@@ -875,6 +1064,23 @@ impl Sim {
     /// The removal invariants (module docs), on every node.
     fn check(&mut self) {
         self.check_partials();
+        for node in self.nodes.iter().filter(|n| n.evicted) {
+            let e = node.tls().get_evicted(&self.ttid).unwrap_or_else(|| {
+                panic!(
+                    "seed {}: node {} is not evicted in its registry",
+                    self.seed, node.id
+                )
+            });
+            assert!(
+                crate::wal_store::first_local_segment(&node.fs, &e.dir, SEG)
+                    .unwrap()
+                    .is_none(),
+                "seed {}: evicted node {} keeps a segment file\n{}",
+                self.seed,
+                node.id,
+                self.replay_hint()
+            );
+        }
         for node in &self.nodes {
             let Some(live) = &node.live else { continue };
             let tl = &live.tl;
@@ -893,18 +1099,32 @@ impl Sim {
                     ),
                 ];
                 for (what, lsn) in needed {
+                    let segno = lsn.segment_number(SEG);
+                    // Below what a restore brought back, the WAL is the store's (eviction
+                    // required every segment below its end stored).
+                    let restored_over = node.restored_from.is_some_and(|f| first_local <= f)
+                        && self
+                            .rt
+                            .block_on(self.backup.storage.read_segment(
+                                &self.ttid,
+                                segno.max(start_seg),
+                                SEG,
+                            ))
+                            .unwrap()
+                            .is_some();
                     assert!(
-                        first_local <= lsn.segment_number(SEG),
+                        first_local <= segno || restored_over,
                         "seed {}: node {} removed segments below {first_local}, but the {what} \
-                         {lsn} needs segment {}\n{}",
+                         {lsn} needs segment {} (restored from {:?})\n{}",
                         self.seed,
                         node.id,
                         lsn.segment_number(SEG),
+                        node.restored_from,
                         self.replay_hint()
                     );
                 }
             }
-            for (lsn, _) in &live.holds {
+            for (lsn, _, _) in &live.holds {
                 assert!(
                     lsn.segment_number(SEG) >= first_local.min(tl.removed_below()),
                     "seed {}: a reader of node {} holds {lsn} but segments below \
@@ -919,7 +1139,7 @@ impl Sim {
     /// Every node's WAL is the proposer's below its flush LSN, and every committed byte is in
     /// the store or on a quorum of nodes.
     fn check_content(&mut self) {
-        if self.nodes.iter().all(|n| n.live.is_none()) {
+        if self.nodes.iter().all(|n| n.live.is_none() && !n.evicted) {
             return;
         }
         let mut holders = Vec::new();
@@ -930,6 +1150,11 @@ impl Sim {
             holders.push((flush, local));
         }
         let committed = self.proposer.committed;
+        // (Checked byte for byte by `check_partials`.)
+        let partials = self
+            .rt
+            .block_on(self.backup.storage.list_partials(&self.ttid, SEG))
+            .expect("listing the in-memory store");
         let mut segno = START.segment_number(SEG);
         while Lsn(segno * SEG) < committed {
             let to = Lsn(((segno + 1) * SEG).min(committed.0));
@@ -941,7 +1166,10 @@ impl Sim {
                 .rt
                 .block_on(self.backup.storage.read_segment(&self.ttid, segno, SEG))
                 .unwrap()
-                .is_some();
+                .is_some()
+                || partials
+                    .iter()
+                    .any(|(s, _, upto, _)| *s == segno && *upto >= to);
             assert!(
                 stored || local >= self.quorum(),
                 "seed {}: committed WAL in segment {segno} (below {committed}) is on {local} \
@@ -1078,6 +1306,8 @@ impl std::ops::AddAssign for PullCounts {
 #[derive(Clone, Copy, Debug, Default)]
 struct Stats {
     removed: u64,
+    evictions: u64,
+    restores: u64,
     partial_uploads: u64,
     crashes: u64,
     terms: u64,
@@ -1088,6 +1318,8 @@ struct Stats {
 impl std::ops::AddAssign for Stats {
     fn add_assign(&mut self, o: Stats) {
         self.removed += o.removed;
+        self.evictions += o.evictions;
+        self.restores += o.restores;
         self.partial_uploads += o.partial_uploads;
         self.crashes += o.crashes;
         self.terms += o.terms;
@@ -1137,6 +1369,10 @@ fn run_seeds(n: usize, default: u64) {
     eprintln!("{n} nodes, {seeds} seeds: {total:?}");
     assert!(total.removed > seeds, "removal ran too rarely: {total:?}");
     assert!(total.crashes > seeds, "crashes ran too rarely: {total:?}");
+    assert!(
+        total.evictions > seeds / 4 && total.restores > seeds / 8,
+        "evictions or restores ran too rarely: {total:?}"
+    );
     assert!(
         total.partial_uploads > seeds / 2,
         "partial segments were uploaded too rarely: {total:?}"

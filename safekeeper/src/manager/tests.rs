@@ -15,6 +15,7 @@ pub(super) fn cfg() -> Config {
         parallelism: 2,
         save_interval: Duration::from_secs(5),
         partial_timeout: None,
+        evict_after: None,
     }
 }
 
@@ -32,6 +33,7 @@ fn obs(inmem: Lsns, persisted: Lsns) -> Observed {
         wal_start_lsn: Lsn(SEG),
         inmem,
         persisted,
+        busy: false,
     }
 }
 
@@ -580,5 +582,189 @@ fn partial_object_names_carry_term_and_end_and_are_never_complete_segments() {
         pg_wal::format::parse_xlog_file_name(&name, seg),
         None,
         "a complete-segment parser takes no partial object"
+    );
+}
+
+/// Eviction: only after the idle time with nothing connected, nothing in flight, every LSN
+/// saved, and all WAL in the store (complete segments by the persisted backup LSN, the end's
+/// segment by a partial object up to the end); a refusal waits the idle time again, a success
+/// ends the manager.
+#[test]
+fn a_timeline_is_evicted_only_idle_with_all_its_wal_in_the_store() {
+    let idle = Duration::from_secs(60);
+    let timeout = Duration::from_secs(10);
+    let config = Config {
+        partial_timeout: Some(timeout),
+        evict_after: Some(idle),
+        ..cfg()
+    };
+    let end = Lsn(3 * SEG + 5000);
+    let l = lsns(end.0, end.0, 3 * SEG);
+    let o = Observed {
+        flush_lsn: end,
+        ..obs(l, l)
+    };
+    let evicts = |out: &[Action]| out.iter().any(|a| matches!(a, Action::Evict { .. }));
+    let mut core = ManagerCore::new(config, o, 1);
+    let out = listed(&mut core, [1, 2]);
+    assert!(!evicts(&out), "{out:?}");
+    // The backed-up segments are removed locally first (nothing while that is in flight).
+    assert!(
+        out.iter().any(|a| matches!(a, Action::Remove { .. })),
+        "{out:?}"
+    );
+    let mut out = core.step(Event::Tick(idle));
+    assert!(!evicts(&out), "a removal in flight: {out:?}");
+    out.extend(core.step(Event::Removed { first_local: 3 }));
+    assert!(!evicts(&out), "{out:?}");
+    // Past the idle time but the end's segment is not stored yet: the partial upload first.
+    assert_eq!(partial_uploads(&out), vec![(3, end)], "{out:?}");
+    let out = core.step(Event::UploadedPartial {
+        upto: end,
+        ok: true,
+    });
+    // Then what it supersedes is removed, and only then is the timeline evicted.
+    assert_eq!(out, vec![Action::RemovePartials { below: end }], "{out:?}");
+    let out = core.step(Event::RemovedPartials {
+        below: end,
+        ok: true,
+    });
+    assert_eq!(
+        out,
+        vec![Action::Evict { end }],
+        "stored up to the end: {out:?}"
+    );
+    // Refused at the node's check (a proposer arrived): idle again from now.
+    let out = core.step(Event::Evicted { ok: false });
+    assert!(!evicts(&out), "{out:?}");
+    assert_eq!(core.next_wakeup(), Some(idle + idle));
+    // A connection keeps it resident however long it lasts.
+    let busy = Observed { busy: true, ..o };
+    core.step(Event::Tick(idle + idle - Duration::from_secs(1)));
+    let mut out = core.step(Event::Observed(busy));
+    out.extend(core.step(Event::Tick(idle + idle)));
+    assert!(!evicts(&out), "busy: {out:?}");
+    core.step(Event::Observed(o));
+    let out = core.step(Event::Tick(idle * 3 - Duration::from_secs(2)));
+    assert!(!evicts(&out), "idle since the connection left: {out:?}");
+    // Unsaved LSNs, or a commit LSN behind the end, keep it too.
+    let unsaved = Observed {
+        inmem: lsns(end.0, end.0, 3 * SEG),
+        persisted: lsns(end.0 - 100, end.0, 3 * SEG),
+        ..o
+    };
+    let mut out = core.step(Event::Observed(unsaved));
+    out.extend(core.step(Event::Tick(idle * 4)));
+    assert!(!evicts(&out), "unsaved: {out:?}");
+    assert!(out.contains(&Action::Save), "{out:?}");
+    core.step(Event::Saved { ok: true });
+    // A complete segment not backed up (persisted backup LSN) keeps it.
+    let behind = Observed {
+        inmem: lsns(end.0, end.0, 2 * SEG),
+        persisted: lsns(end.0, end.0, 2 * SEG),
+        ..o
+    };
+    let mut c2 = ManagerCore::new(config, behind, 3);
+    listed(&mut c2, [1]);
+    c2.step(Event::Tick(idle));
+    c2.step(Event::UploadedPartial {
+        upto: end,
+        ok: true,
+    });
+    c2.step(Event::RemovedPartials {
+        below: end,
+        ok: true,
+    });
+    // Its upload failed (retried later): nothing is in flight, but it is not stored.
+    c2.step(Event::Uploaded {
+        segno: 2,
+        ok: false,
+    });
+    let out = c2.step(Event::Tick(idle * 2));
+    assert!(!evicts(&out), "segment 2 not backed up: {out:?}");
+    // Back to the evictable state (idle long since): evicted, and the manager is done.
+    let out = core.step(Event::Observed(o));
+    assert_eq!(out, vec![Action::Evict { end }], "{out:?}");
+    assert_eq!(
+        core.step(Event::Evicted { ok: true }),
+        vec![Action::Finished]
+    );
+    assert_eq!(core.next_wakeup(), None);
+}
+
+/// A timeline whose WAL ends at a segment boundary, all of it in complete segments, needs no
+/// partial object to be evicted; one without remote storage is never evicted.
+#[test]
+fn wal_ending_at_a_segment_boundary_is_evicted_without_a_partial_object() {
+    let idle = Duration::from_secs(60);
+    let end = Lsn(3 * SEG);
+    let l = lsns(end.0, end.0, end.0);
+    let o = Observed {
+        flush_lsn: end,
+        ..obs(l, l)
+    };
+    let config = Config {
+        evict_after: Some(idle),
+        ..cfg()
+    };
+    let mut core = ManagerCore::new(config, o, 3);
+    listed(&mut core, [1, 2]);
+    let out = core.step(Event::Tick(idle));
+    assert_eq!(out, vec![Action::Evict { end }], "{out:?}");
+    let mut local = ManagerCore::new(
+        Config {
+            remote: false,
+            ..config
+        },
+        o,
+        1,
+    );
+    local.step(Event::Tick(Duration::ZERO));
+    let out = local.step(Event::Tick(idle * 10));
+    assert!(
+        !out.iter().any(|a| matches!(a, Action::Evict { .. })),
+        "{out:?}"
+    );
+}
+
+/// A node whose longest partial object is in a later segment than the complete segments stored
+/// removes partial objects only below the complete segments: another node's partial object of a
+/// segment not yet stored complete is that segment's only copy in the store.
+#[test]
+fn superseded_partials_are_removed_only_below_the_stored_complete_segments() {
+    let timeout = Duration::from_secs(1);
+    let config = Config {
+        partial_timeout: Some(timeout),
+        ..cfg()
+    };
+    // Committed into segment 4; complete segments stored only below 3 (3's upload failing).
+    let end = Lsn(4 * SEG + 3000);
+    let l = lsns(end.0, end.0, 3 * SEG);
+    let o = Observed {
+        flush_lsn: end,
+        ..obs(l, l)
+    };
+    let mut core = ManagerCore::new(config, o, 1);
+    listed(&mut core, [1, 2]);
+    let mut out = core.step(Event::Tick(timeout));
+    out.extend(core.step(Event::Uploaded {
+        segno: 3,
+        ok: false,
+    }));
+    assert_eq!(partial_uploads(&out), vec![(4, end)], "{out:?}");
+    let out = core.step(Event::UploadedPartial {
+        upto: end,
+        ok: true,
+    });
+    let removals: Vec<Lsn> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::RemovePartials { below } => Some(*below),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        removals.iter().all(|b| *b <= Lsn(3 * SEG)),
+        "segment 3 is not stored complete: its partial objects stay: {out:?}"
     );
 }

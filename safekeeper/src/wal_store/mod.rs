@@ -152,6 +152,8 @@ pub struct WalFileStore {
     /// Whether the last flush covered less than [`ZERO_AHEAD_BELOW_BATCH`] (zeros are then
     /// written ahead of appends into sparse space).
     commit_bound: bool,
+    /// Released for an eviction ([`WalFileStore::release`]): every write is refused.
+    released: bool,
 }
 
 /// The lowest-numbered segment file (complete or `.partial`) in timeline directory `dir`.
@@ -272,6 +274,7 @@ impl WalFileStore {
             allocated: None,
             fill: None,
             commit_bound: false,
+            released: false,
         })
     }
 
@@ -288,6 +291,27 @@ impl WalFileStore {
         if let Some(f) = &self.fill {
             f.wait();
         }
+    }
+
+    /// Lets go of the store's files for an eviction: stops the background zero-fill and
+    /// segment preparation (waiting for them, and removing a prepared segment), closes the open
+    /// segment and frees the gathering buffer. Every later write or truncation is refused, so
+    /// no WAL can go into a file that the eviction then removes. Refused (and nothing changes)
+    /// while written WAL is not durable.
+    pub fn release(&mut self) -> Result<()> {
+        if !self.pending.is_empty() || self.flush_byte_lsn != self.write_lsn {
+            return Err(Error::Rejected(format!(
+                "cannot release the WAL store: WAL up to {} is written, durable only up to {}",
+                self.write_lsn, self.flush_byte_lsn
+            )));
+        }
+        self.released = true;
+        self.fill = None;
+        self.allocated = None;
+        drop(self.file.take());
+        self.prep.stop()?;
+        self.pending = Vec::new();
+        Ok(())
     }
 
     /// The timeline directory holding the segments.
@@ -571,6 +595,18 @@ impl WalFileStore {
     }
 }
 
+impl WalFileStore {
+    fn refuse_if_released(&self) -> Result<()> {
+        if self.released {
+            return Err(Error::Rejected(format!(
+                "the WAL store of {} was released (the timeline is being evicted)",
+                self.dir.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Local invariant breach in `complete_segment` turned into an error rather than a panic.
 fn unreachable_segment(segno: u64) -> Error {
     Error::Rejected(format!(
@@ -598,6 +634,7 @@ impl WalStore for WalFileStore {
                 std::io::Error::from_raw_os_error(libc::ENOSPC),
             ));
         }
+        self.refuse_if_released()?;
         if self.pending_truncation {
             return Err(Error::Rejected(format!(
                 "write at {start} refused: WAL must be truncated after start-up first"
@@ -665,6 +702,7 @@ impl WalStore for WalFileStore {
     }
 
     fn truncate_wal(&mut self, end: Lsn) -> Result<()> {
+        self.refuse_if_released()?;
         if self.write_record_lsn.is_valid() && end > self.write_record_lsn {
             return Err(Error::Rejected(format!(
                 "truncation to {end} above the end of WAL {}",

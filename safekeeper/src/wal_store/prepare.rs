@@ -256,6 +256,22 @@ impl Preparer {
         Ok(Some((file, path)))
     }
 
+    /// Stops preparing: waits for a preparation in flight and removes what it made (an
+    /// evicted timeline keeps no segment file).
+    pub(super) fn stop(&mut self) -> Result<()> {
+        if let Some(t) = self.task.take() {
+            let _ = t.join();
+        }
+        let prep = self.dir.join(PREPARED_SEGMENT_NAME);
+        if self.fs.exists(&prep) {
+            self.fs
+                .remove_file(&prep)
+                .map_err(|e| Error::io(format!("removing {}", prep.display()), e))?;
+        }
+        self.opened_at = None;
+        Ok(())
+    }
+
     /// Waits until a segment being prepared is ready (tests make the threads deterministic with
     /// it).
     #[cfg(test)]

@@ -35,6 +35,9 @@ struct Args {
     /// How many timelines.
     #[arg(long, default_value_t = 1000)]
     timelines: u32,
+    /// The first timeline's index (timelines `first..first + timelines`).
+    #[arg(long, default_value_t = 0)]
+    first: u32,
     /// Bytes of WAL per commit (one record).
     #[arg(long, default_value_t = 8192)]
     commit_size: usize,
@@ -97,7 +100,7 @@ struct Timeline {
 
 async fn elect(args: &Args, addr: &SafekeeperAddr, i: u32) -> anyhow::Result<Timeline> {
     let mut id = [0u8; 16];
-    id[12..].copy_from_slice(&(i + 1).to_be_bytes());
+    id[12..].copy_from_slice(&(args.first + i + 1).to_be_bytes());
     let cfg = ProposerConfig {
         safekeepers: vec![addr.clone()],
         ttid: TenantTimelineId {
