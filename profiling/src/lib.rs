@@ -58,6 +58,13 @@ pub use error::ProfileError;
 pub use metrics::register_metrics;
 pub use symindex::{INDEX_DIR_ENV, maybe_run_helper, set_symbol_index_dir};
 
+/// Returns every jemalloc arena's unused dirty pages to the kernel now, instead of after
+/// jemalloc's decay time (a service calls it after a one-off burst of allocations, such as
+/// loading its state at start-up on many threads).
+pub fn purge_unused_memory() {
+    symbolize::purge();
+}
+
 /// The malloc_conf every profiled binary uses: heap profiling on from the start, one sample per
 /// 2 MiB allocated on average (`lg_prof_sample:21`: ~3% overhead measured by neon, against ~7%
 /// at jemalloc's default 512 KiB), cumulative allocation counts per stack (`prof_accum:true`:

@@ -263,6 +263,9 @@ pub async fn run(
         .context("loading timelines")??
     };
     let load_time = started.elapsed();
+    // The loader threads' allocations are freed: their pages go back to the kernel now, not
+    // after jemalloc's decay time (an idle node's RSS is what it keeps).
+    profiling::purge_unused_memory();
     let mut timelines = timelines;
     timelines.set_max_restores(conf.max_concurrent_restores);
     let timelines = Arc::new(timelines);
