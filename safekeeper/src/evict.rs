@@ -19,11 +19,12 @@
 //! Restore ([`restore`]), one at a time per timeline and at most
 //! [`crate::registry::GlobalTimelines::restore_permits`] at once on the node:
 //!
-//! 1. **Download** the segment holding the end of WAL (a partial object ending at or past it,
-//!    or the complete segment: WAL below a commit LSN is the same on every node), unless the end
-//!    is at a segment boundary or at the WAL's start.
-//! 2. **Write** its bytes below the end into the local `.partial` segment (through a temporary
-//!    file, fsynced, renamed durably).
+//! 1. **Download** the segment holding the last WAL byte (a partial object ending at or past
+//!    the end, or the complete segment: WAL below a commit LSN is the same on every node; at a
+//!    segment boundary the complete segment before it, where the start-up's search for the end
+//!    of WAL reads), unless the timeline has no WAL.
+//! 2. **Write** its bytes below the end into the local segment (`.partial`, or complete at a
+//!    boundary; through a temporary file, fsynced, renamed durably).
 //! 3. **Open** the timeline as at start-up (which verifies the committed WAL). If that fails the
 //!    segment is removed again and the timeline stays evicted, with the error.
 //! 4. **Clear** the flag (persisted), then the timeline joins the resident map and gets a
