@@ -104,45 +104,79 @@ async fn restore_now(
     e: &EvictedTimeline,
 ) -> Result<Arc<Timeline>, TimelineError> {
     let ttid = e.ttid;
-    let data = match e.segment_to_restore() {
-        None => None,
-        Some(segno) => {
-            let storage = timelines.storage().ok_or_else(|| {
-                failed(
-                    &ttid,
-                    "the node has no remote storage to restore from".into(),
-                )
-            })?;
-            let fetch = download(storage, &ttid, e.seg_size(), segno, e.end_lsn());
-            let fetched = tokio::time::timeout(RESTORE_DOWNLOAD_TIMEOUT, fetch)
-                .await
-                .map_err(|_| {
-                    failed(
-                        &ttid,
-                        format!(
-                            "remote storage did not answer within {} s",
-                            RESTORE_DOWNLOAD_TIMEOUT.as_secs()
-                        ),
-                    )
-                })?;
-            match fetched {
-                Ok(Some(b)) => Some(b),
-                Ok(None) => {
-                    return Err(failed(
-                        &ttid,
-                        format!(
-                            "no object in {} holds segment {segno} up to {}",
-                            storage.timeline_location(&ttid),
-                            e.end_lsn()
-                        ),
-                    ));
-                }
-                Err(err) => {
-                    return Err(failed(&ttid, format!("reading remote storage: {err:#}")));
-                }
-            }
+    let Some(segno) = e.segment_to_restore() else {
+        return install(timelines, e, None).await;
+    };
+    let storage = timelines.storage().ok_or_else(|| {
+        failed(
+            &ttid,
+            "the node has no remote storage to restore from".into(),
+        )
+    })?;
+    let (seg, end) = (e.seg_size(), e.end_lsn());
+    let in_time = |what: &'static str| {
+        move |_| {
+            failed(
+                &ttid,
+                format!(
+                    "remote storage did not answer within {} s ({what})",
+                    RESTORE_DOWNLOAD_TIMEOUT.as_secs()
+                ),
+            )
         }
     };
+    let io = |err: anyhow::Error| failed(&ttid, format!("reading remote storage: {err:#}"));
+    let found = tokio::time::timeout(
+        RESTORE_DOWNLOAD_TIMEOUT,
+        crate::evicted::sources(storage, &ttid, seg, segno, end),
+    )
+    .await
+    .map_err(in_time("listing"))?
+    .map_err(io)?;
+    // Each object in turn: one whose bytes do not verify (another node's, valid only from a
+    // later start in the segment) gives way to the next.
+    let mut refused = None;
+    for source in &found {
+        let got = tokio::time::timeout(
+            RESTORE_DOWNLOAD_TIMEOUT,
+            crate::evicted::fetch(storage, &ttid, seg, segno, end, source),
+        )
+        .await
+        .map_err(in_time("download"))?
+        .map_err(io)?;
+        let Some(data) = got else { continue };
+        match install(timelines, e, Some(data)).await {
+            Err(TimelineError::Storage(
+                err @ (sk_core::storage::Error::Corruption { .. }
+                | sk_core::storage::Error::WalCorruption { .. }
+                | sk_core::storage::Error::Rejected(_)),
+            )) => {
+                tracing::warn!(%ttid, ?source, "this stored copy does not restore: {err}");
+                refused = Some(err.to_string());
+            }
+            other => return other,
+        }
+    }
+    Err(failed(
+        &ttid,
+        match refused {
+            Some(why) => format!("no stored copy of segment {segno} restores: {why}"),
+            None => format!(
+                "no object in {} holds segment {segno} up to {end}",
+                storage.timeline_location(&ttid)
+            ),
+        },
+    ))
+}
+
+/// Restores `e` from `data` (its end segment's bytes; `None` if it needs none) on a blocking
+/// thread.
+async fn install(
+    timelines: &Arc<GlobalTimelines>,
+    e: &EvictedTimeline,
+    data: Option<bytes::Bytes>,
+) -> Result<Arc<Timeline>, TimelineError> {
+    let ttid = e.ttid;
     let tls = timelines.clone();
     let end = e.end_lsn();
     crate::blocking::spawn(move || {

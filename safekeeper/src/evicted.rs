@@ -105,9 +105,58 @@ pub fn remove_local_wal(fs: &Fs, dir: &Path, seg_size: u64, no_sync: bool) -> Re
     Ok(n)
 }
 
-/// Downloads what restoring `e` needs: the bytes of segment `segno` up to (at least) its end of
-/// WAL, from a partial object ending at or past it or from the complete segment. `Ok(None)`:
-/// nothing is stored that holds it (an error for the caller: eviction required it stored).
+/// An object a restore may take segment `segno` from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// A partial object (by its path as listed).
+    Partial(object_store::path::Path),
+    /// The complete segment.
+    Complete,
+}
+
+/// The objects that may hold segment `segno` up to `end`, in the order a restore tries them:
+/// partial objects ending at or past `end`, shortest first (the one this node stored, unless a
+/// longer one, another node's with more committed WAL, superseded it), then the complete
+/// segment; only the complete segment when `end` is at the segment's end.
+pub async fn sources(
+    storage: &RemoteStorage,
+    ttid: &TenantTimelineId,
+    seg_size: u64,
+    segno: u64,
+    end: Lsn,
+) -> anyhow::Result<Vec<Source>> {
+    if (segno + 1) * seg_size == end.0 {
+        return Ok(vec![Source::Complete]);
+    }
+    let mut v: Vec<Source> = storage
+        .list_partials(ttid, seg_size)
+        .await?
+        .into_iter()
+        .filter(|(s, _, upto, _)| *s == segno && *upto >= end)
+        .map(|(_, _, _, path)| Source::Partial(path))
+        .collect();
+    v.push(Source::Complete);
+    Ok(v)
+}
+
+/// The bytes of `source` for segment `segno`, if it is stored and holds the WAL below `end`.
+pub async fn fetch(
+    storage: &RemoteStorage,
+    ttid: &TenantTimelineId,
+    seg_size: u64,
+    segno: u64,
+    end: Lsn,
+    source: &Source,
+) -> anyhow::Result<Option<Bytes>> {
+    let got = match source {
+        Source::Partial(path) => storage.read_object(path).await?,
+        Source::Complete => storage.read_segment(ttid, segno, seg_size).await?,
+    };
+    Ok(got.filter(|b| b.len() as u64 >= end.0 - segno * seg_size))
+}
+
+/// The first of [`sources`] that [`fetch`] finds. `Ok(None)`: nothing stored holds the WAL
+/// (an error for the caller: eviction required it stored).
 pub async fn download(
     storage: &RemoteStorage,
     ttid: &TenantTimelineId,
@@ -115,23 +164,12 @@ pub async fn download(
     segno: u64,
     end: Lsn,
 ) -> anyhow::Result<Option<Bytes>> {
-    if (segno + 1) * seg_size == end.0 {
-        // The end is at this segment's end: the complete segment.
-        return storage.read_segment(ttid, segno, seg_size).await;
-    }
-    let partials = storage.list_partials(ttid, seg_size).await?;
-    // The shortest object that holds the end: the one this node stored, unless a longer one
-    // (another node's, with more committed WAL) superseded it.
-    for (s, _term, upto, path) in partials {
-        if s == segno
-            && upto >= end
-            && let Some(b) = storage.read_object(&path).await?
-            && b.len() as u64 >= end.segment_offset(seg_size)
-        {
+    for source in sources(storage, ttid, seg_size, segno, end).await? {
+        if let Some(b) = fetch(storage, ttid, seg_size, segno, end, &source).await? {
             return Ok(Some(b));
         }
     }
-    storage.read_segment(ttid, segno, seg_size).await
+    Ok(None)
 }
 
 /// Writes the segment holding the last WAL byte below `end` of the timeline in `dir` from

@@ -414,3 +414,44 @@ fn a_snapshot_of_a_timeline_being_evicted_is_refused() {
         Err(TimelineError::Evicted(_))
     ));
 }
+
+/// A stored copy of the end's segment that does not verify (another node's partial object,
+/// valid only from a later start) gives way to the next one; with none that verifies the
+/// restore fails naming why, and the timeline stays evicted.
+#[test]
+fn a_stored_copy_that_does_not_verify_gives_way_to_the_next() {
+    let (_sim, fs, _) = sim_node();
+    let storage = memory_store();
+    let (timelines, tl, wal, end) = stored_timeline(&fs, &storage);
+    crate::blocking::section(|| timelines.evict(&tl, end)).unwrap();
+    drop(tl);
+    let timelines = Arc::new(timelines);
+    let segno = end.segment_number(SEG);
+    let off = end.segment_offset(SEG) as usize;
+    let ours = rt()
+        .block_on(download(&storage, &ttid(), SEG, segno, end))
+        .unwrap()
+        .unwrap();
+    // Ours goes (superseded), a longer one of zeros below its start comes first, then a good one.
+    let put = |upto: Lsn, data: Vec<u8>| {
+        rt().block_on(storage.backup_partial(&ttid(), SEG, 1, upto, data.into(), 0))
+            .unwrap();
+    };
+    rt().block_on(storage.remove_partials_below(&ttid(), SEG, Lsn(end.0 + 1)))
+        .unwrap();
+    let mut bad = vec![0u8; off + 100];
+    bad[off / 2..off].copy_from_slice(&ours[off / 2..off]);
+    put(Lsn(end.0 + 100), bad);
+    let failed = rt().block_on(restore(&timelines, &ttid()));
+    let msg = failed.err().expect("nothing stored restores").to_string();
+    assert!(msg.contains("no stored copy"), "{msg}");
+    assert_eq!(timelines.counts(), (0, 1), "still evicted");
+    let mut good = ours[..off].to_vec();
+    good.resize(off + 200, 0);
+    put(Lsn(end.0 + 200), good);
+    let tl = rt()
+        .block_on(restore(&timelines, &ttid()))
+        .unwrap()
+        .expect("restored from the good copy");
+    check_restored(&tl, &wal, end);
+}
