@@ -1200,6 +1200,9 @@ fn zero_ahead_case(records: usize, per_flush: usize, check: impl FnOnce(u64, u64
     let mut s = fresh(dir.path(), start);
     let (bytes, pos) = gen_wal(start, &vec![8000; records]);
     let end = write_flushing_every(&mut s, start, &bytes, &pos, per_flush);
+    // Blocks the background fill claimed are its to write, possibly still in flight: measured
+    // once it ended (measured at once, a loaded machine caught a piece unwritten).
+    s.wait_for_fill();
     check(allocated_bytes(dir.path(), 1), end.segment_offset(SEG));
     drop(s);
     assert_recovers(dir.path(), pos[0].end, opts(), start, &bytes);
