@@ -269,6 +269,7 @@ pub async fn run(
     let mut timelines = timelines;
     timelines.set_max_restores(conf.max_concurrent_restores);
     let timelines = Arc::new(timelines);
+    let (resident, evicted) = timelines.counts();
     profiling::register_metrics();
     crate::metrics::register();
     TimelineCollector::register(&timelines);
@@ -277,8 +278,8 @@ pub async fn run(
         datadir = %conf.datadir.display(),
         http = %listeners.http_addr(),
         pg = %listeners.pg_addr(),
-        timelines = timelines.counts().0,
-        evicted = timelines.counts().1,
+        timelines = resident,
+        evicted,
         load_seconds = load_time.as_secs_f64(),
         max_open_segment_files = open_files.cap(),
         no_sync = conf.no_sync,

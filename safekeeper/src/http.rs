@@ -405,10 +405,8 @@ async fn list_timelines(State(state): State<Arc<AppState>>) -> Json<Vec<Timeline
     Json(
         state
             .timelines
-            .all()
-            .iter()
-            .map(|t| t.ttid)
-            .chain(state.timelines.all_evicted().iter().map(|e| e.ttid))
+            .ids()
+            .into_iter()
             .map(|t| TimelineIds {
                 tenant_id: t.tenant_id.to_string(),
                 timeline_id: t.timeline_id.to_string(),

@@ -1153,9 +1153,8 @@ fn load_one(
             control.shared(),
         )));
     }
-    drop(control);
-    Ok(Loaded::Resident(Box::new(Timeline::open(
-        fs, dir, node_id, no_sync, open_files,
+    Ok(Loaded::Resident(Box::new(Timeline::open_with(
+        fs, dir, control, node_id, no_sync, open_files,
     )?)))
 }
 

@@ -268,6 +268,19 @@ impl Timeline {
         open_files: &OpenFiles,
     ) -> Result<Timeline, TimelineError> {
         let control = FileControlStore::load_in(fs.clone(), dir, no_sync)?;
+        Timeline::open_with(fs, dir, control, node_id, no_sync, open_files)
+    }
+
+    /// [`Timeline::open`] with its control file already loaded (start-up reads it first to
+    /// tell an evicted timeline, which it does not open).
+    pub fn open_with(
+        fs: &Fs,
+        dir: &Path,
+        control: FileControlStore,
+        node_id: NodeId,
+        no_sync: bool,
+        open_files: &OpenFiles,
+    ) -> Result<Timeline, TimelineError> {
         let seg_size = control.server.wal_seg_size as u64;
         // A stored 0 is a timeline made before versions were checked, when all WAL was
         // PostgreSQL 15's.

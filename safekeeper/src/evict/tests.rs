@@ -250,50 +250,16 @@ fn a_restore_without_its_wal_in_the_store_fails_clearly_and_is_retried() {
 fn a_crash_at_any_step_of_eviction_or_restore_loses_nothing() {
     let mut cases = 0;
     for power in [false, true] {
-        for op in 0.. {
-            let (sim, fs) = SimFs::with_dir(Path::new(DATADIR));
-            let storage = memory_store();
-            let (timelines, tl, wal, end) = stored_timeline(&fs, &storage);
+        cases += crash_at_every_op(power, "evict", |sim, op, timelines, tl, end, _| {
             sim.arm_crash_after(op);
             let _ = crate::blocking::section(|| timelines.evict_steps(&tl, end, EvictStep::All));
-            let reached = sim.crash_point_reached();
-            drop((timelines, tl));
-            crash(&sim, power);
-            check_after_crash(
-                &fs,
-                &storage,
-                &wal,
-                end,
-                &format!("evict op {op} power {power}"),
-            );
-            cases += 1;
-            if !reached {
-                break;
-            }
-        }
-        for op in 0.. {
-            let (sim, fs) = SimFs::with_dir(Path::new(DATADIR));
-            let storage = memory_store();
-            let (timelines, tl, wal, end) = stored_timeline(&fs, &storage);
+        });
+        cases += crash_at_every_op(power, "restore", |sim, op, timelines, tl, end, storage| {
             crate::blocking::section(|| timelines.evict(&tl, end)).unwrap();
             drop(tl);
             sim.arm_crash_after(op);
-            let _ = restore_upto(&timelines, &storage, RestoreStep::All);
-            let reached = sim.crash_point_reached();
-            drop(timelines);
-            crash(&sim, power);
-            check_after_crash(
-                &fs,
-                &storage,
-                &wal,
-                end,
-                &format!("restore op {op} power {power}"),
-            );
-            cases += 1;
-            if !reached {
-                break;
-            }
-        }
+            let _ = restore_upto(&timelines, storage, RestoreStep::All);
+        });
     }
     assert!(cases > 20, "{cases} crash points");
     // And the steps themselves, stopped where a kill would stop them.
@@ -317,6 +283,37 @@ fn a_crash_at_any_step_of_eviction_or_restore_loses_nothing() {
         sim.process_crash();
         check_after_crash(&fs, &storage, &wal, end, &format!("{upto:?}"));
     }
+}
+
+/// Runs `act` on a fresh node (its timeline stored, [`stored_timeline`]) with a crash at
+/// file-system operation 0, 1, ... (`act` arms it, `sim.arm_crash_after(op)`, where its work
+/// starts) until `act` finishes before the crash point; after each crash, a process kill or
+/// with `power` a power loss, the node must hold what [`check_after_crash`] requires. Returns
+/// how many crash points it ran.
+fn crash_at_every_op(
+    power: bool,
+    what: &str,
+    act: impl Fn(&SimFs, u64, GlobalTimelines, Arc<Timeline>, Lsn, &Arc<RemoteStorage>),
+) -> u64 {
+    for op in 0.. {
+        let (sim, fs) = SimFs::with_dir(Path::new(DATADIR));
+        let storage = memory_store();
+        let (timelines, tl, wal, end) = stored_timeline(&fs, &storage);
+        act(&sim, op, timelines, tl, end, &storage);
+        let reached = sim.crash_point_reached();
+        crash(&sim, power);
+        check_after_crash(
+            &fs,
+            &storage,
+            &wal,
+            end,
+            &format!("{what} op {op} power {power}"),
+        );
+        if !reached {
+            return op + 1;
+        }
+    }
+    unreachable!("a crash point past every operation")
 }
 
 fn crash(sim: &SimFs, power: bool) {

@@ -452,17 +452,7 @@ impl Sim {
             let end = tl.positions().flush_lsn;
             run(
                 &tl,
-                ProposerAcceptorMessage::AppendRequest(AppendRequest {
-                    h: AppendRequestHeader {
-                        generation: Generation(0),
-                        term: Term(self.proposer.term),
-                        begin_lsn: end,
-                        end_lsn: end,
-                        commit_lsn: commit,
-                        truncate_lsn: Lsn::INVALID,
-                    },
-                    wal_data: Bytes::new(),
-                }),
+                crate::test_util::append_msg(self.proposer.term, end, &[], commit),
             );
             self.feed(i, Event::Observed(observe(&tl)));
         }
