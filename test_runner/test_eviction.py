@@ -5,14 +5,13 @@ server (moto)."""
 
 from __future__ import annotations
 
-import re
 import time
 
 import pytest
 import requests
 
 import test_wal_lifecycle
-from fixtures.daemon import TENANT, TIMELINE, lsn_int, timeline_dir, wait_until
+from fixtures.daemon import TENANT, TIMELINE, lsn_int, metric, timeline_dir, wait_until
 from fixtures.ledger import ledger, verify
 from fixtures.tools import before, receivewal
 from test_wal_lifecycle import SEG, partials, push, seg_name, start_sks, status
@@ -29,17 +28,6 @@ def evicted(sk) -> bool:
 
 def local_files(sk) -> list[str]:
     return sorted(p.name for p in timeline_dir(sk).iterdir())
-
-
-def metric(sk, pattern: str) -> float:
-    """The sum of the samples of `/metrics` whose line matches `pattern` (a regex on the name
-    and labels)."""
-    text = requests.get(f"{sk.http}/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith("#") and re.match(pattern, line):
-            total += float(line.split()[-1])
-    return total
 
 
 def wait_evicted(sks, timeout: float = 60) -> None:

@@ -21,6 +21,7 @@ from fixtures.daemon import (
     TIMELINE,
     fmt_lsn,
     lsn_int,
+    metric,
     read_wal,
     timeline_dir,
     wait_until,
@@ -296,3 +297,51 @@ def test_plain_readers_get_committed_wal_only_while_flush_is_ahead_of_commit(
     # The node's positions did not move meanwhile.
     st = tl_status(sk)
     assert (lsn_int(st["commit_lsn"]), lsn_int(st["flush_lsn"])) == (commit, flush)
+
+
+@pytest.mark.promise(2)
+def test_segments_from_the_node_pool_serve_real_readers(safekeeper_factory, tmp_path):
+    """The node's pool of zero-filled segments (`--prepared-segments`): filled while the node
+    is quiet, a timeline's new segments come from it, real pg_receivewal gets byte-identical
+    segments and real pg_waldump decodes them; the pool refills once the node is quiet again,
+    and a restart keeps its whole segments and drops a half-written one."""
+    sk = safekeeper_factory(extra_args=["--prepared-segments", "2"]).start()
+    pool = sk.datadir / "segment_pool"
+
+    def ready() -> float:
+        return metric(sk, r"safekeeper_prepared_segments ")
+
+    wait_until(lambda: ready() == 2, "the pool filled")
+    assert sorted(p.stat().st_size for p in pool.iterdir()) == [SEG, SEG]
+    stats = walproposer([sk], "--total", "20M", "--record-size", "1000")
+    start, end = stats["start_lsn"], stats["commit_lsn"]
+    assert metric(sk, r"safekeeper_prepared_segments_used_total") == 2
+    # Both of the timeline's segments came from the pool: allocated throughout.
+    segs = sorted(timeline_dir(sk).glob("0000*"))
+    assert len(segs) == 2, segs
+    for s in segs:
+        assert s.stat().st_blocks * 512 >= SEG, s
+    wait_until(lambda: ready() == 2, "the pool refilled once the node was quiet")
+
+    recv = tmp_path / "recv"
+    recv.mkdir()
+    out = receivewal(sk, recv, "--slot", "s1", "--endpos", before(end))
+    assert out.returncode == 0, out.stderr
+    (full,) = (p for p in recv.iterdir() if not p.name.endswith(".partial"))
+    assert full.read_bytes() == (timeline_dir(sk) / full.name).read_bytes()
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for p in recv.iterdir():
+        shutil.copy(p, dump / p.name.removesuffix(".partial"))
+    assert waldump_count(dump, start, end) == stats["records"]
+
+    # A restart keeps the whole segments; a half-written one and a short one go.
+    assert sk.stop() == 0
+    (pool / "prepared.tmp").write_bytes(b"\0" * 4096)
+    (pool / "prepared-99").write_bytes(b"\0" * 4096)
+    sk.start()
+    assert ready() == 2
+    assert sorted(p.name for p in pool.iterdir()) == sorted(
+        p.name for p in pool.iterdir() if p.stat().st_size == SEG
+    )
+    assert not (pool / "prepared.tmp").exists() and not (pool / "prepared-99").exists()

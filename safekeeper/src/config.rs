@@ -110,6 +110,15 @@ pub struct Conf {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_open_segment_files: Option<usize>,
 
+    /// Zero-filled WAL segments the node keeps ready in `<datadir>/segment_pool` (16 MiB each),
+    /// written only while no WAL was flushed for a second and the file system is under 90 %
+    /// full. A timeline takes one for each new segment instead of zero-filling its own under
+    /// its commits: a burst of this many segments of WAL writes no zeros. `0`: no pool. Not
+    /// kept under `--no-sync`, nor with a `--max-timeline-disk-usage` under 64 MiB (a pooled
+    /// segment counts whole against it).
+    #[arg(long, env = "SAFEKEEPER_PREPARED_SEGMENTS", default_value_t = 4)]
+    pub prepared_segments: usize,
+
     /// Skip every fsync. Only for tests and benchmarks: a crash can lose acknowledged WAL.
     #[arg(long, env = "SAFEKEEPER_NO_SYNC")]
     pub no_sync: bool,
@@ -263,6 +272,9 @@ impl Conf {
             max_connections: 256,
             max_handshaking_connections: 64,
             max_open_segment_files: None,
+            // Every test daemon would otherwise write 64 MiB of zeros; the pool's own tests
+            // turn it on.
+            prepared_segments: 0,
             pg_idle_timeout: Duration::from_secs(600),
             handshake_timeout: Duration::from_secs(10),
             http_max_concurrent_requests: 128,

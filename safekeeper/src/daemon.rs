@@ -24,7 +24,8 @@ use crate::registry::{GlobalTimelines, TimelineCollector};
 use crate::secrets::read_secret_file;
 use crate::tls::TlsConfig;
 use crate::wal_service::WalServiceConf;
-use crate::wal_store::{DEFAULT_MAX_OPEN_SEGMENT_FILES, OpenFiles};
+use crate::wal_store::pool::SEGMENT_POOL_DIR;
+use crate::wal_store::{DEFAULT_MAX_OPEN_SEGMENT_FILES, OpenFiles, SegmentPool};
 use crate::{http, wal_service};
 use pq_proto::server::ServerConfig;
 use sk_core::storage::fs::Fs;
@@ -252,12 +253,28 @@ pub async fn run(
         conf.max_open_segment_files
             .unwrap_or_else(|| default_max_open_segment_files(conf.max_connections)),
     );
+    // A pooled segment counts whole against a timeline's disk limit from its first append.
+    let seg = pg_wal::format::DEFAULT_WAL_SEG_SIZE;
+    let limit_allows = conf.max_timeline_disk_usage == 0 || conf.max_timeline_disk_usage >= 4 * seg;
+    let pool = if conf.prepared_segments > 0 && !conf.no_sync && limit_allows {
+        Some(
+            SegmentPool::start(
+                Fs::real(),
+                &conf.datadir.join(SEGMENT_POOL_DIR),
+                seg,
+                conf.prepared_segments,
+            )
+            .context("opening the segment pool")?,
+        )
+    } else {
+        None
+    };
     let started = Instant::now();
     let timelines = {
         let (datadir, no_sync) = (conf.datadir.clone(), conf.no_sync);
         let open_files = open_files.clone();
         crate::blocking::spawn(move || {
-            GlobalTimelines::load_in_with(Fs::real(), &datadir, node_id, no_sync, open_files)
+            GlobalTimelines::load_in_with(Fs::real(), &datadir, node_id, no_sync, open_files, pool)
         })
         .await
         .context("loading timelines")??

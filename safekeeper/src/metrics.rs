@@ -45,6 +45,22 @@ pub static WAL_FLUSHES: LazyLock<IntCounter> = LazyLock::new(|| {
     )
 });
 
+/// `safekeeper_prepared_segments`: zero-filled segments ready in the node's pool.
+pub static PREPARED_SEGMENTS: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge(
+        "safekeeper_prepared_segments",
+        "Zero-filled WAL segments ready in the node's pool (--prepared-segments)",
+    )
+});
+
+/// `safekeeper_prepared_segments_used_total`: segments taken from the node's pool.
+pub static PREPARED_SEGMENTS_USED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "safekeeper_prepared_segments_used_total",
+        "WAL segments a timeline took from the node's pool of zero-filled segments",
+    )
+});
+
 /// `safekeeper_flush_wal_seconds`: time to make a batch of WAL durable.
 pub static WAL_FLUSH_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     let h = Histogram::with_opts(
@@ -333,6 +349,8 @@ pub fn register() {
     LazyLock::force(&RECOVERY_ACTIVE);
     LazyLock::force(&OPEN_SEGMENT_FILES);
     LazyLock::force(&SEGMENT_FILE_EVICTIONS);
+    LazyLock::force(&PREPARED_SEGMENTS);
+    LazyLock::force(&PREPARED_SEGMENTS_USED);
     LazyLock::force(&EVICTIONS);
     LazyLock::force(&RESTORES);
     LazyLock::force(&EVICTION_SECONDS);

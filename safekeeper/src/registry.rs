@@ -36,7 +36,7 @@ use crate::evicted::EvictedTimeline;
 use crate::manager::DeleteScope;
 use crate::remote_storage::RemoteStorage;
 use crate::timeline::{Timeline, TimelineError};
-use crate::wal_store::OpenFiles;
+use crate::wal_store::{OpenFiles, SegmentPool};
 
 /// Where new timelines are built before they are renamed into place, and where deleted ones
 /// are moved before they are removed. Emptied at start-up.
@@ -104,6 +104,8 @@ pub struct GlobalTimelines {
     no_sync: bool,
     /// The LRU of open segment files every timeline's WAL store joins.
     open_files: OpenFiles,
+    /// The node's pool of zero-filled segments, if it keeps one.
+    pool: Option<SegmentPool>,
     map: Mutex<HashMap<TenantTimelineId, Arc<Timeline>>>,
     /// Evicted timelines ([`crate::evict`]), never also in `map`. Locked after `map` when both
     /// are.
@@ -165,11 +167,11 @@ impl GlobalTimelines {
         node_id: NodeId,
         no_sync: bool,
     ) -> Result<GlobalTimelines, TimelineError> {
-        GlobalTimelines::load_in_with(fs, datadir, node_id, no_sync, OpenFiles::default())
+        GlobalTimelines::load_in_with(fs, datadir, node_id, no_sync, OpenFiles::default(), None)
     }
 
     /// Loads every timeline under `datadir` on `fs`; their segment files share the LRU
-    /// `open_files`. Any timeline that fails verification (a corrupt control file, WAL ending
+    /// `open_files`, and their new segments come from `pool` while it has some. Any timeline that fails verification (a corrupt control file, WAL ending
     /// below its commit LSN) stops start-up: serving on would risk acknowledged data.
     pub fn load_in_with(
         fs: Fs,
@@ -177,6 +179,7 @@ impl GlobalTimelines {
         node_id: NodeId,
         no_sync: bool,
         open_files: OpenFiles,
+        pool: Option<SegmentPool>,
     ) -> Result<GlobalTimelines, TimelineError> {
         let tmp = datadir.join(TMP_DIR);
         if fs.exists(&tmp) {
@@ -226,7 +229,7 @@ impl GlobalTimelines {
         }
         let mut map = HashMap::new();
         let mut evicted = HashMap::new();
-        for loaded in open_all(&fs, &to_open, node_id, no_sync, &open_files)? {
+        for loaded in open_all(&fs, &to_open, node_id, no_sync, &open_files, pool.as_ref())? {
             match loaded {
                 Loaded::Resident(tl) => {
                     map.insert(tl.ttid, Arc::from(tl));
@@ -242,6 +245,7 @@ impl GlobalTimelines {
             node_id,
             no_sync,
             open_files,
+            pool,
             map: Mutex::new(map),
             evicted: Mutex::new(evicted),
             storage: std::sync::OnceLock::new(),
@@ -541,27 +545,26 @@ impl GlobalTimelines {
                 "stopped after the download".into(),
             ));
         }
-        let opened = Timeline::open(fs, &e.dir, self.node_id, self.no_sync, &self.open_files)
-            .and_then(|tl| {
-                let end = tl.positions().flush_lsn;
-                if end != e.end_lsn() {
-                    return Err(sk_core::storage::Error::Rejected(format!(
-                        "the restored WAL ends at {end}, the evicted timeline's at {}",
-                        e.end_lsn()
-                    ))
-                    .into());
-                }
-                if upto == RestoreStep::Open {
-                    return Err(TimelineError::BadRequest("stopped after the open".into()));
-                }
-                tl.finish_restore()
-                    .map_err(|source| TimelineError::Acceptor {
-                        ttid: *ttid,
-                        dir: e.dir.display().to_string(),
-                        source: Box::new(source),
-                    })?;
-                Ok(tl)
-            });
+        let opened = self.open_timeline(&e.dir).and_then(|tl| {
+            let end = tl.positions().flush_lsn;
+            if end != e.end_lsn() {
+                return Err(sk_core::storage::Error::Rejected(format!(
+                    "the restored WAL ends at {end}, the evicted timeline's at {}",
+                    e.end_lsn()
+                ))
+                .into());
+            }
+            if upto == RestoreStep::Open {
+                return Err(TimelineError::BadRequest("stopped after the open".into()));
+            }
+            tl.finish_restore()
+                .map_err(|source| TimelineError::Acceptor {
+                    ttid: *ttid,
+                    dir: e.dir.display().to_string(),
+                    source: Box::new(source),
+                })?;
+            Ok(tl)
+        });
         let tl = match opened {
             Ok(tl) => Arc::new(tl),
             Err(err) => {
@@ -708,6 +711,19 @@ impl GlobalTimelines {
         &self.open_files
     }
 
+    /// Opens the timeline in `dir` as this node's stores are: in its LRU of open files, with
+    /// its segment pool.
+    fn open_timeline(&self, dir: &Path) -> Result<Timeline, TimelineError> {
+        Timeline::open(
+            &self.fs,
+            dir,
+            self.node_id,
+            self.no_sync,
+            &self.open_files,
+            self.pool.as_ref(),
+        )
+    }
+
     /// Whether fsyncs are skipped (`--no-sync`, tests only).
     pub fn no_sync(&self) -> bool {
         self.no_sync
@@ -780,17 +796,16 @@ impl GlobalTimelines {
             self.write_tombstone_with(&name, false)?;
         }
         let dir = self.rename_into_place(tmp, ttid)?;
-        let opened = Timeline::open(fs, &dir, self.node_id, self.no_sync, &self.open_files)
-            .and_then(|tl| {
-                if tl.positions().flush_lsn != flush {
-                    return Err(TimelineError::BadRequest(format!(
-                        "the pulled timeline opened with its WAL ending at {}, the snapshot \
+        let opened = self.open_timeline(&dir).and_then(|tl| {
+            if tl.positions().flush_lsn != flush {
+                return Err(TimelineError::BadRequest(format!(
+                    "the pulled timeline opened with its WAL ending at {}, the snapshot \
                          said {flush}",
-                        tl.positions().flush_lsn
-                    )));
-                }
-                Ok(tl)
-            });
+                    tl.positions().flush_lsn
+                )));
+            }
+            Ok(tl)
+        });
         let tl = match opened {
             Ok(tl) => Arc::new(tl),
             Err(e) => {
@@ -1038,7 +1053,7 @@ impl GlobalTimelines {
             fsync_dir(fs, &tmp)?;
         }
         let dir = self.rename_into_place(&tmp, ttid)?;
-        Timeline::open(fs, &dir, self.node_id, self.no_sync, &self.open_files)
+        self.open_timeline(&dir)
     }
 
     /// Renames the complete timeline directory `tmp` to `ttid`'s place (creating its tenant
@@ -1133,6 +1148,7 @@ fn load_one(
     node_id: NodeId,
     no_sync: bool,
     open_files: &OpenFiles,
+    pool: Option<&SegmentPool>,
 ) -> Result<Loaded, TimelineError> {
     let control = FileControlStore::load_in(fs.clone(), dir, no_sync)?;
     if control.evicted {
@@ -1154,7 +1170,7 @@ fn load_one(
         )));
     }
     Ok(Loaded::Resident(Box::new(Timeline::open_with(
-        fs, dir, control, node_id, no_sync, open_files,
+        fs, dir, control, node_id, no_sync, open_files, pool,
     )?)))
 }
 
@@ -1171,6 +1187,7 @@ fn open_all(
     node_id: NodeId,
     no_sync: bool,
     open_files: &OpenFiles,
+    pool: Option<&SegmentPool>,
 ) -> Result<Vec<Loaded>, TimelineError> {
     let next = AtomicUsize::new(0);
     let opened = Mutex::new(Vec::with_capacity(dirs.len()));
@@ -1184,7 +1201,7 @@ fn open_all(
             let _span =
                 tracing::info_span!("timeline", tenant_id = %tenant, timeline_id = %timeline)
                     .entered();
-            match load_one(fs, dir, node_id, no_sync, open_files) {
+            match load_one(fs, dir, node_id, no_sync, open_files, pool) {
                 Ok(loaded) => {
                     match &loaded {
                         Loaded::Resident(tl) => {

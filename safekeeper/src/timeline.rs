@@ -37,7 +37,9 @@ use crate::manager::Lsns;
 use crate::manager::recovery::{LocalView, RecoveryStatus};
 use crate::remote_storage::RemoteStorage;
 use crate::remove_wal::{ReadHold, ReadHolds};
-use crate::wal_store::{OpenFiles, WalFileOptions, WalFileStore, WalReader, verify_committed_wal};
+use crate::wal_store::{
+    OpenFiles, SegmentPool, WalFileOptions, WalFileStore, WalReader, verify_committed_wal,
+};
 
 /// Segments are prepared (zero-filled off the ingest path) for timelines whose WAL arrives
 /// slower than this: there commits wait on each `fdatasync`, which is ~25% faster into written
@@ -259,16 +261,18 @@ pub struct Timeline {
 impl Timeline {
     /// Opens an existing timeline directory on `fs`: loads and verifies the control file,
     /// recovers the end of WAL from its `commit_lsn` (refusing a WAL that ends below it) and
-    /// verifies the committed WAL below it. Its segment file joins the node's LRU `open_files`.
+    /// verifies the committed WAL below it. Its segment file joins the node's LRU `open_files`;
+    /// its new segments come from the node's `pool` while it has some.
     pub fn open(
         fs: &Fs,
         dir: &Path,
         node_id: NodeId,
         no_sync: bool,
         open_files: &OpenFiles,
+        pool: Option<&SegmentPool>,
     ) -> Result<Timeline, TimelineError> {
         let control = FileControlStore::load_in(fs.clone(), dir, no_sync)?;
-        Timeline::open_with(fs, dir, control, node_id, no_sync, open_files)
+        Timeline::open_with(fs, dir, control, node_id, no_sync, open_files, pool)
     }
 
     /// [`Timeline::open`] with its control file already loaded (start-up reads it first to
@@ -280,6 +284,7 @@ impl Timeline {
         node_id: NodeId,
         no_sync: bool,
         open_files: &OpenFiles,
+        pool: Option<&SegmentPool>,
     ) -> Result<Timeline, TimelineError> {
         let seg_size = control.server.wal_seg_size as u64;
         // A stored 0 is a timeline made before versions were checked, when all WAL was
@@ -314,6 +319,7 @@ impl Timeline {
                     Default::default()
                 },
                 open_files: open_files.clone(),
+                pool: pool.cloned(),
             },
         )?;
         let ttid = TenantTimelineId {

@@ -21,7 +21,9 @@
 //! - [`reader`]: reading WAL back for walsenders;
 //! - [`prepare`]: preparing the next segment in the background, on an injected clock and runner;
 //! - [`fill`]: zero-filling the rest of a sparse open segment in the background, for a
-//!   commit-bound stream.
+//!   commit-bound stream;
+//! - [`pool`]: the node's pool of zero-filled segments, written while the node is quiet and
+//!   taken by any store that needs a new segment.
 //!
 //! Not here: deciding what to write or truncate (the consensus core), when to flush (the
 //! `WalAcceptor`), the control file ([`crate::control_file`]), or which segments may be removed
@@ -32,6 +34,7 @@
 
 mod fill;
 pub mod open_files;
+pub mod pool;
 pub mod prepare;
 pub mod reader;
 pub mod recovery;
@@ -52,6 +55,7 @@ use sk_core::types::Lsn;
 use fill::{Claim, Fill};
 pub use open_files::{DEFAULT_MAX_OPEN_SEGMENT_FILES, OpenFiles};
 use open_files::{OpenSegment, Slot};
+pub use pool::SegmentPool;
 use prepare::Preparer;
 pub use prepare::{Background, Inline, PREPARED_SEGMENT_NAME, Runner, Threads};
 pub use reader::{MAX_READ_LEN, WalReader};
@@ -95,6 +99,10 @@ pub struct WalFileOptions {
     /// The LRU of open segment files this store's file joins (shared by the stores of a node;
     /// by default one of its own, of [`DEFAULT_MAX_OPEN_SEGMENT_FILES`]).
     pub open_files: OpenFiles,
+    /// The node's pool of zero-filled segments: a new segment is taken from it when one is
+    /// ready (before a preparation of this store's own, or a sparse file), and this store
+    /// prepares none of its own while the pool has one. `None`: no pool.
+    pub pool: Option<SegmentPool>,
 }
 
 /// Pieces of appends smaller than this are gathered in memory and written with one `pwrite`
@@ -152,6 +160,15 @@ pub struct WalFileStore {
     /// Whether the last flush covered less than [`ZERO_AHEAD_BELOW_BATCH`] (zeros are then
     /// written ahead of appends into sparse space).
     commit_bound: bool,
+    /// `(segno, dirty_to)`: segment `segno` was made by this store (a new sparse or zeroed file,
+    /// a prepared one, one of the node's pool: zeros throughout) and holds nothing but zeros at
+    /// and past offset `dirty_to`, every byte this store wrote into it other than zeros lying
+    /// below. A truncation inside it then zeroes `[end, dirty_to)` in place and keeps its
+    /// blocks allocated, instead of cutting the file and leaving the appends after it to
+    /// allocate blocks again. `None`: nothing known (a segment found on disk).
+    /// Invariant: `dirty_to` is raised before each write of WAL (or of the first segment's
+    /// image) into the segment, never after.
+    fresh: Option<(u64, u64)>,
     /// Released for an eviction ([`WalFileStore::release`]): every write is refused.
     released: bool,
 }
@@ -274,6 +291,7 @@ impl WalFileStore {
             allocated: None,
             fill: None,
             commit_bound: false,
+            fresh: None,
             released: false,
         })
     }
@@ -308,6 +326,7 @@ impl WalFileStore {
         self.released = true;
         self.fill = None;
         self.allocated = None;
+        self.fresh = None;
         drop(self.file.take());
         self.prep.stop()?;
         self.pending = Vec::new();
@@ -476,7 +495,22 @@ impl WalFileStore {
             }
         };
         self.prep.segment_opened(segno);
+        // Zeros throughout (a write into it marks itself after this, see `dirtying`).
+        self.fresh = Some((segno, 0));
         Ok(created)
+    }
+
+    /// WAL (or the first segment's image) is about to be written below `end` in segment
+    /// `segno`: a fresh segment's zeros end there at the latest (see `fresh`). Opens (or
+    /// creates) the segment first, so a segment made for this very write is marked too.
+    fn dirtying(&mut self, segno: u64, end: u64) -> Result<()> {
+        self.with_segment(segno, |_| Ok(()))?;
+        if let Some((s, dirty_to)) = &mut self.fresh
+            && *s == segno
+        {
+            *dirty_to = (*dirty_to).max(end);
+        }
+        Ok(())
     }
 
     /// Writes the gathered bytes to their segment. On failure they stay gathered (a retry
@@ -488,6 +522,7 @@ impl WalFileStore {
         let start = Lsn(self.write_lsn.0 - self.pending.len() as u64);
         let segno = start.segment_number(self.seg_size);
         let off = start.segment_offset(self.seg_size);
+        self.dirtying(segno, off + self.pending.len() as u64)?;
         let pending = std::mem::take(&mut self.pending);
         let written = self.with_segment(segno, |seg| {
             seg.dirty = true;
@@ -513,6 +548,12 @@ impl WalFileStore {
     fn zero_ahead(&mut self, segno: u64, off: u64, end: u64) {
         if self.opts.zero_fill {
             return;
+        }
+        if self.allocated.is_none_or(|(s, _)| s != segno) {
+            // The segment is opened (or made) first: a prepared or pooled one is allocated
+            // throughout, and writing zeros over it, or starting its fill, would only compete
+            // with the commits for the disk. An error here surfaces at the write itself.
+            let _ = self.with_segment(segno, |_| Ok(()));
         }
         let known = match self.allocated {
             Some((s, a)) if s == segno => a,
@@ -681,6 +722,7 @@ impl WalStore for WalFileStore {
                 self.pending.extend_from_slice(piece);
             } else {
                 self.write_out_pending()?;
+                self.dirtying(segno, off + n as u64)?;
                 self.with_segment(segno, |seg| {
                     seg.dirty = true;
                     seg.file.write_all_at(piece, off).map_err(|e| {
@@ -719,6 +761,12 @@ impl WalStore for WalFileStore {
             self.pending.clear();
         }
         self.pending_truncation = true;
+        let end_segno = end.segment_number(self.seg_size);
+        let end_off = end.segment_offset(self.seg_size);
+        // What is known of `end`'s segment: the zeros it holds past what this store wrote, and
+        // its allocated blocks (kept if it is zeroed in place below).
+        let fresh = self.fresh.take().filter(|(s, _)| *s == end_segno);
+        let allocated = self.allocated.filter(|(s, _)| *s == end_segno);
         // A sparse tail past `end` is deallocated below; no fill may write there meanwhile
         // (dropping it stops it and waits for it).
         self.allocated = None;
@@ -733,8 +781,6 @@ impl WalStore for WalFileStore {
         // Closed unsynced: what it holds past `end` is discarded, the rest is synced below.
         drop(self.file.take());
 
-        let end_segno = end.segment_number(self.seg_size);
-        let end_off = end.segment_offset(self.seg_size);
         // 1. Zero everything after `end` in its segment and make it durable first: from then on
         //    recovery can never decode past `end`, whatever is left in later segments.
         let fs = self.opts.fs.clone();
@@ -748,7 +794,15 @@ impl WalStore for WalFileStore {
             None => None,
         };
         if let Some((f, path, partial)) = seg {
-            if self.opts.zero_fill {
+            if let Some((_, dirty_to)) = fresh {
+                // Only `[end, dirty_to)` may hold anything but zeros: zeroed in place, the
+                // segment keeps its blocks (and stays fresh, with nothing written past `end`).
+                if end_off < dirty_to {
+                    write_zeros(&*f, end_off, dirty_to, Zeros::Pages)
+                } else {
+                    Ok(())
+                }
+            } else if self.opts.zero_fill {
                 write_zeros(&*f, end_off, self.seg_size, Zeros::Bulk)
             } else {
                 f.set_len(end_off).and_then(|()| f.set_len(self.seg_size))
@@ -782,6 +836,10 @@ impl WalStore for WalFileStore {
         // 4. Make the deletions and renames durable.
         if !self.opts.no_sync {
             fsync_dir(&fs, &self.dir)?;
+        }
+        if let Some((segno, dirty_to)) = fresh {
+            self.fresh = Some((segno, dirty_to.min(end_off)));
+            self.allocated = allocated;
         }
         self.pending_truncation = false;
         Ok(())
@@ -819,6 +877,9 @@ impl WalStore for WalFileStore {
         }
         self.flush_byte_lsn = self.write_lsn;
         self.flush_record_lsn = self.write_record_lsn;
+        if let Some(pool) = &self.opts.pool {
+            pool.flushed();
+        }
         Ok(())
     }
 
@@ -837,6 +898,7 @@ impl WalStore for WalFileStore {
         )
         .map_err(|e| Error::Rejected(e.to_string()))?;
         let segno = init_lsn.segment_number(self.seg_size);
+        self.dirtying(segno, image.len() as u64)?;
         self.with_segment(segno, |seg| {
             seg.file
                 .write_all_at(&image, 0)

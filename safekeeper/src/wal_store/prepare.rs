@@ -188,6 +188,8 @@ pub(super) struct Preparer {
     /// The segment being written and when it was opened (its fill rate decides whether the
     /// next one is prepared).
     opened_at: Option<(u64, Instant)>,
+    /// The node's pool of zero-filled segments.
+    pool: Option<super::SegmentPool>,
 }
 
 impl Preparer {
@@ -201,11 +203,14 @@ impl Preparer {
             background: opts.background.clone(),
             task: None,
             opened_at: None,
+            pool: opts.pool.clone().filter(|p| p.seg_size() == seg_size),
         }
     }
 
     /// Segment `segno` was just opened: if the previous segment filled slower than the rate
-    /// threshold, starts preparing the next one.
+    /// threshold, starts preparing the next one (unless the node's pool has one ready: its
+    /// zeros were written while the disk was quiet, this preparation's would be written under
+    /// the commits of this very stream).
     pub(super) fn segment_opened(&mut self, segno: u64) {
         let now = self.background.0.now();
         let slow = self.opened_at.is_some_and(|(prev, at)| {
@@ -213,7 +218,8 @@ impl Preparer {
             prev + 1 == segno && (self.seg_size as f64) < self.below_rate as f64 * elapsed
         });
         self.opened_at = Some((segno, now));
-        if slow && self.task.is_none() {
+        let pooled = self.pool.as_ref().is_some_and(|p| p.ready() > 0);
+        if slow && self.task.is_none() && !pooled {
             let fs = self.fs.clone();
             let path = self.dir.join(PREPARED_SEGMENT_NAME);
             let (seg_size, no_sync) = (self.seg_size, self.no_sync);
@@ -230,10 +236,16 @@ impl Preparer {
     }
 
     /// The prepared segment renamed (durably) to segment `segno`'s `.partial` name, if its
-    /// preparation has finished; never waits for it.
+    /// preparation has finished, else one of the node's pool if it has one; never waits for
+    /// either.
     pub(super) fn take(&mut self, segno: u64) -> Result<Option<(SegmentFile, PathBuf)>> {
         let Some(task) = self.task.take_if(|t| t.is_finished()) else {
-            return Ok(None);
+            let path = segment_path(&self.dir, segno, self.seg_size, true);
+            let pooled = self
+                .pool
+                .as_ref()
+                .and_then(|p| p.take(&path, &self.dir, self.seg_size));
+            return Ok(pooled.map(|file| (file, path)));
         };
         let prep = self.dir.join(PREPARED_SEGMENT_NAME);
         match task.join() {

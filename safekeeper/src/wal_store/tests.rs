@@ -23,6 +23,7 @@ fn opts() -> WalFileOptions {
         fs: Fs::default(),
         background: Background::default(),
         open_files: OpenFiles::default(),
+        pool: None,
     }
 }
 
@@ -1412,4 +1413,104 @@ fn a_flush_releases_the_gathering_buffer() {
         "the buffer is released at the flush"
     );
     assert_eq!(s.flush_lsn(), pos[1].end);
+}
+
+/// A truncation inside a segment this store made (zeros throughout, but what it wrote) zeroes
+/// the discarded WAL in place: the blocks stay allocated, nothing past the end can be decoded
+/// (at once and after a reopen), and a new term's WAL written over it is recovered whole.
+#[test]
+fn truncation_inside_a_fresh_segment_zeroes_in_place_and_keeps_its_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Lsn(SEG + 8192);
+    let mut s = fresh_with(
+        dir.path(),
+        start,
+        WalFileOptions {
+            zero_fill: true,
+            ..opts()
+        },
+    );
+    let (bytes, pos) = gen_wal(start, &[8000; 40]);
+    let end = write_flushing_every(&mut s, start, &bytes, &pos, 1);
+    let keep = pos[9].end;
+    s.truncate_wal(keep).unwrap();
+    assert_eq!(
+        allocated_bytes(dir.path(), 1),
+        SEG,
+        "the segment keeps its blocks"
+    );
+    // Every discarded byte is zero on disk.
+    let file = std::fs::read(segment_path(dir.path(), 1, SEG, true)).unwrap();
+    let (a, b) = ((keep.0 - SEG) as usize, (end.0 - SEG) as usize);
+    assert!(
+        file[a..b].iter().all(|&x| x == 0),
+        "discarded WAL left on disk"
+    );
+    // A new term's WAL goes over it, and exactly that is recovered.
+    let (more, more_pos) = gen_wal_from(keep, pos[9].start, &[3000; 5]);
+    s.write_wal(keep, &more).unwrap();
+    s.flush_wal().unwrap();
+    let new_end = more_pos.last().unwrap().end;
+    assert!(new_end < end, "the old WAL ran past the new");
+    drop(s);
+    let mut want = bytes[..(keep.0 - start.0) as usize].to_vec();
+    want.extend_from_slice(&more);
+    assert_recovers(dir.path(), keep, opts(), start, &want);
+    // Truncated again after the reopen (a segment found on disk: cut, not zeroed in place),
+    // the WAL still ends where it should.
+    let mut s = reopen(dir.path(), keep).unwrap();
+    s.truncate_wal(keep).unwrap();
+    assert_eq!(s.flush_lsn(), keep);
+    drop(s);
+    assert_recovers(
+        dir.path(),
+        keep,
+        opts(),
+        start,
+        &bytes[..(keep.0 - start.0) as usize],
+    );
+}
+
+/// Segments of the node's pool: a store takes one for each new segment (its blocks allocated
+/// from the first append), writes no zeros and prepares no segment of its own while the pool
+/// has one, and keeps it allocated through the truncation every new term starts with.
+#[test]
+fn segments_come_from_the_node_pool_and_stay_allocated() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool_dir = dir.path().join("pool");
+    let pool = super::SegmentPool::start(Fs::real(), &pool_dir, SEG, 3).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while pool.ready() < 3 {
+        assert!(std::time::Instant::now() < deadline, "pool never filled");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let tl = dir.path().join("tl");
+    let o = WalFileOptions {
+        pool: Some(pool.clone()),
+        prepare_below_rate: u64::MAX,
+        ..opts()
+    };
+    let start = Lsn(SEG + 8192);
+    let mut s = fresh_with(&tl, start, o.clone());
+    assert_eq!(pool.taken(), 1, "the first segment came from the pool");
+    assert_eq!(allocated_bytes(&tl, 1), SEG);
+    // Commit-bound appends into it write no zeros of their own and start no fill.
+    let (bytes, pos) = gen_wal(start, &[8000; 150]);
+    let end = write_flushing_every(&mut s, start, &bytes, &pos, 1);
+    assert!(
+        end.0 > 2 * SEG && end.0 < 3 * SEG,
+        "crossed into the second segment"
+    );
+    assert!(
+        s.fill.is_none(),
+        "no background zero-fill of a pooled segment"
+    );
+    assert!(
+        !tl.join(super::PREPARED_SEGMENT_NAME).exists(),
+        "nothing prepared"
+    );
+    assert_eq!(pool.taken(), 2, "the second segment came from the pool too");
+    assert_eq!(allocated_bytes(&tl, 2), SEG);
+    drop(s);
+    assert_recovers(&tl, start, o, start, &bytes);
 }
