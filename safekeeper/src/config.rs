@@ -111,8 +111,8 @@ pub struct Conf {
     pub max_open_segment_files: Option<usize>,
 
     /// Zero-filled WAL segments the node keeps ready in `<datadir>/segment_pool` (16 MiB each),
-    /// written only while no WAL was flushed for a second and the file system is under 90 %
-    /// full. A timeline takes one for each new segment instead of zero-filling its own under
+    /// written only while no WAL was flushed for a second and the file system stays under 90 %
+    /// used (or `--max-disk-usage-ratio`, if lower). A timeline takes one for each new segment instead of zero-filling its own under
     /// its commits: a burst of this many segments of WAL writes no zeros. `0`: no pool. Not
     /// kept under `--no-sync`, nor with a `--max-timeline-disk-usage` under 64 MiB (a pooled
     /// segment counts whole against it).

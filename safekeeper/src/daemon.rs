@@ -256,17 +256,22 @@ pub async fn run(
     // A pooled segment counts whole against a timeline's disk limit from its first append.
     let seg = pg_wal::format::DEFAULT_WAL_SEG_SIZE;
     let limit_allows = conf.max_timeline_disk_usage == 0 || conf.max_timeline_disk_usage >= 4 * seg;
+    let pool_dir = conf.datadir.join(SEGMENT_POOL_DIR);
     let pool = if conf.prepared_segments > 0 && !conf.no_sync && limit_allows {
         Some(
             SegmentPool::start(
                 Fs::real(),
-                &conf.datadir.join(SEGMENT_POOL_DIR),
+                &pool_dir,
                 seg,
                 conf.prepared_segments,
+                conf.max_disk_usage_ratio,
             )
             .context("opening the segment pool")?,
         )
     } else {
+        // What a pool of an earlier run left is disk space no one will use.
+        crate::wal_store::pool::remove(&Fs::real(), &pool_dir)
+            .context("removing the segment pool")?;
         None
     };
     let started = Instant::now();

@@ -5,7 +5,8 @@
 //! completed segments have the plain name. Every segment file is always `seg_size` bytes long:
 //! it is created full-size (sparse, via `set_len`) under the temporary name `waltmp`, fsynced, and
 //! renamed in durably, so later appends only need `fdatasync`. The end of WAL is therefore found
-//! by decoding records, never from file sizes.
+//! by decoding records, never from file sizes. A new segment may also come whole and zero-filled:
+//! prepared in the background for this timeline, or from the node's pool ([`pool`]).
 //!
 //! LSNs kept (reference §4.2): `write_lsn` (bytes handed to the OS) >= `write_record_lsn` (end of
 //! the last complete record written) >= `flush_record_lsn` (end of the last complete record that
@@ -808,7 +809,7 @@ impl WalStore for WalFileStore {
                 f.set_len(end_off).and_then(|()| f.set_len(self.seg_size))
             }
             .map_err(|e| Error::io(format!("zeroing {} after {end}", path.display()), e))?;
-            // fsync, not fdatasync: the file size changed twice.
+            // fsync, not fdatasync: a cut file's size changed twice.
             self.sync(&*f, &path, SyncKind::All);
             if !partial {
                 let p = segment_path(&self.dir, end_segno, self.seg_size, true);

@@ -8,14 +8,18 @@
 //! (commit-tail, one safekeeper, 6000 commits of 8 KiB, three rounds: p99 378-476 µs with the
 //! background zero-fill against 233-269 µs with every segment zeroed before the stream; a
 //! commit's `fdatasync` pays for whatever zeros were written back just before it). The pool
-//! writes its zeros while the node is quiet (no WAL flushed for [`QUIET`]), so a burst of up to
+//! writes its zeros only while the node is quiet (no WAL flushed and no segment taken for
+//! [`QUIET`], looked at before each [`CHUNK`]; a start counts as activity), so a burst of up to
 //! `target` segments of WAL meets none. A stream that outlasts the pool falls back to the
-//! per-timeline preparation.
+//! per-timeline preparation. The pool stays under the file system's usage limit (the node's
+//! `--max-disk-usage-ratio`, at most [`MAX_FS_RATIO`]) and gives its segments back when the
+//! file system is past it.
 //!
 //! Crash safety: a segment is written under [`POOL_TMP_NAME`], fsynced, and renamed to its
 //! final name (directory fsynced) before it is counted; start-up removes a leftover temporary
-//! file and any file that is not a whole segment. A taken segment is renamed into the
-//! timeline's directory (that directory fsynced) before any WAL goes into it, as a prepared one.
+//! file, any file that is not a whole segment, and the pool's name of a file also linked
+//! elsewhere. A taken segment is renamed into the timeline's directory (both directories
+//! fsynced) before any WAL goes into it, as a prepared one.
 //!
 //! Not here: when a store asks for a segment ([`super::prepare::Preparer::take`]).
 
@@ -24,11 +28,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use sk_core::storage::durable::durable_rename;
-use sk_core::storage::fs::{Fs, OpenMode};
+use sk_core::storage::durable::{durable_rename, fsync_dir, fsync_or_abort};
+use sk_core::storage::fs::{Fs, OpenMode, SyncKind};
 use sk_core::storage::{Error, Result};
 
-use super::segment::{SegmentFile, Zeros, write_blank_segment};
+use super::segment::{SegmentFile, Zeros, write_zeros};
 
 /// The pool's directory, in the data directory.
 pub const SEGMENT_POOL_DIR: &str = "segment_pool";
@@ -36,15 +40,18 @@ pub const SEGMENT_POOL_DIR: &str = "segment_pool";
 pub const POOL_TMP_NAME: &str = "prepared.tmp";
 /// Prefix of a pooled segment's name (`prepared-<n>`).
 const POOL_PREFIX: &str = "prepared-";
-/// The node is quiet once no WAL was flushed for this long: the pool writes only then.
+/// The node is quiet once no WAL was flushed (and no segment taken) for this long: the pool
+/// writes only then.
 pub const QUIET: Duration = Duration::from_secs(1);
+/// The refill looks whether the node is still quiet before each this many bytes.
+pub const CHUNK: u64 = 1 << 20;
 /// How long the refill rests after each 64 KiB it wrote back, as a timeline's preparation.
 const WRITE_BACK_PAUSE: Duration = Duration::from_millis(1);
 /// How often the refill looks again whether it may write.
 const POLL: Duration = Duration::from_millis(100);
-/// The refill writes nothing while the data directory's file system is used past this
-/// fraction: the space is the WAL's.
-const MAX_FS_RATIO: f64 = 0.9;
+/// The refill writes nothing that would take the data directory's file system past this
+/// fraction (or the node's own `--max-disk-usage-ratio`, if lower): the space is the WAL's.
+pub const MAX_FS_RATIO: f64 = 0.9;
 /// How long the refill waits after a failure (a full disk) before trying again.
 const RETRY_AFTER: Duration = Duration::from_secs(30);
 
@@ -59,10 +66,13 @@ struct Inner {
     seg_size: u64,
     /// Segments the refill keeps ready.
     target: usize,
+    /// Most used fraction of the file system the pool fills up to.
+    max_ratio: f64,
     state: Mutex<State>,
     changed: Condvar,
     epoch: Instant,
-    /// When WAL was last flushed, in nanoseconds since `epoch` plus one; 0: never.
+    /// When WAL was last flushed (or a segment taken), in nanoseconds since `epoch` plus one;
+    /// 0: never.
     last_flush: AtomicU64,
     /// Segments handed over so far.
     taken: AtomicU64,
@@ -77,10 +87,18 @@ struct State {
 
 impl SegmentPool {
     /// Opens (creating) the pool in `dir` for segments of `seg_size` bytes, keeps what a
-    /// previous run left whole, and starts the thread that keeps `target` segments ready. The
-    /// thread ends once the last clone of the pool is dropped. `fs` is the real file system:
-    /// segments move across directories, which a simulated one does not model.
-    pub fn start(fs: Fs, dir: &Path, seg_size: u64, target: usize) -> Result<SegmentPool> {
+    /// previous run left whole, and starts the thread that keeps `target` segments ready while
+    /// the file system stays used below `max_ratio` (capped at [`MAX_FS_RATIO`]; 0: no limit of
+    /// the node's own). The thread ends once the last clone of the pool is dropped. `fs` is the
+    /// real file system: segments move across directories, which a simulated one does not
+    /// model.
+    pub fn start(
+        fs: Fs,
+        dir: &Path,
+        seg_size: u64,
+        target: usize,
+        max_ratio: f64,
+    ) -> Result<SegmentPool> {
         fs.create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         let mut ready = Vec::new();
@@ -93,10 +111,18 @@ impl SegmentPool {
             let n = name
                 .strip_prefix(POOL_PREFIX)
                 .and_then(|n| n.parse::<u64>().ok());
-            // The pool is on the real file system only (see `start`).
-            let whole = n.is_some() && std::fs::metadata(&path).is_ok_and(|m| m.len() == seg_size);
+            // The pool is on the real file system only (see above). A directory is not the
+            // pool's and is left alone; a file also linked in a timeline's directory (a take
+            // cut short by a crash) loses only the pool's name.
+            let Ok(meta) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
+            if !meta.is_file() {
+                continue;
+            }
+            let own = std::os::unix::fs::MetadataExt::nlink(&meta) == 1;
             match n {
-                Some(n) if whole => {
+                Some(n) if own && meta.len() == seg_size => {
                     next_name = next_name.max(n + 1);
                     ready.push(path);
                 }
@@ -112,12 +138,19 @@ impl SegmentPool {
             dir: dir.to_path_buf(),
             seg_size,
             target,
+            max_ratio: if max_ratio > 0.0 {
+                max_ratio.min(MAX_FS_RATIO)
+            } else {
+                MAX_FS_RATIO
+            },
             state: Mutex::new(State { ready, next_name }),
             changed: Condvar::new(),
             epoch: Instant::now(),
             last_flush: AtomicU64::new(0),
             taken: AtomicU64::new(0),
         }));
+        // A start is activity: timelines load and proposers reconnect first.
+        pool.flushed();
         let weak = Arc::downgrade(&pool.0);
         std::thread::Builder::new()
             .name("wal-segment-pool".into())
@@ -147,9 +180,9 @@ impl SegmentPool {
         self.0.last_flush.store(at, Ordering::Relaxed);
     }
 
-    /// Moves a ready segment to `to` (in directory `dir`, fsynced), if one is ready and of
-    /// `seg_size` bytes, and opens it for writing. `None` if none could be handed over (a
-    /// failure is logged, and the caller creates its segment itself).
+    /// Moves a ready segment to `to` (in directory `dir`), if one is ready and of `seg_size`
+    /// bytes, and opens it for writing. `None` if none could be handed over (a failure is
+    /// logged, and the caller creates its segment itself).
     pub fn take(&self, to: &Path, dir: &Path, seg_size: u64) -> Option<SegmentFile> {
         if seg_size != self.0.seg_size {
             return None;
@@ -164,10 +197,14 @@ impl SegmentPool {
             from
         };
         let fs = &self.0.fs;
-        let moved = durable_rename(fs, &from, to, dir, false).and_then(|()| {
-            fs.open(to, OpenMode::ReadWrite)
-                .map_err(|e| Error::io(format!("opening {}", to.display()), e))
-        });
+        // Both directories are fsynced: the file has left the pool for good before any WAL
+        // goes into it (on ext4 the rename is one journal transaction, which either commits).
+        let moved = durable_rename(fs, &from, to, dir, false)
+            .and_then(|()| fsync_dir(fs, &self.0.dir))
+            .and_then(|()| {
+                fs.open(to, OpenMode::ReadWrite)
+                    .map_err(|e| Error::io(format!("opening {}", to.display()), e))
+            });
         match moved {
             Ok(f) => {
                 self.0.taken.fetch_add(1, Ordering::Relaxed);
@@ -175,12 +212,21 @@ impl SegmentPool {
                 Some(f)
             }
             Err(e) => {
+                // A file still in the pool is counted again at the next start.
                 tracing::warn!(error = %e, "taking a prepared segment failed; creating one instead");
-                let _ = fs.remove_file(&from);
                 None
             }
         }
     }
+}
+
+/// Removes what a pool left in `dir`, for a node that keeps none now.
+pub fn remove(fs: &Fs, dir: &Path) -> Result<()> {
+    if fs.exists(dir) {
+        fs.remove_dir_all(dir)
+            .map_err(|e| Error::io(format!("removing {}", dir.display()), e))?;
+    }
+    Ok(())
 }
 
 impl Inner {
@@ -198,35 +244,72 @@ impl Inner {
         }
     }
 
-    /// Writes one segment into the pool.
+    /// Whether the file system is used past `max_ratio`, or would be with one more segment.
+    fn full(&self) -> bool {
+        crate::disk_usage::fs_usage(&self.dir).is_ok_and(|u| {
+            u.size == 0 || u.ratio + self.seg_size as f64 / u.size as f64 > self.max_ratio
+        })
+    }
+
+    /// Writes one segment into the pool, [`CHUNK`] by [`CHUNK`], each once the node is quiet.
     fn prepare_one(&self, n: u64) -> Result<PathBuf> {
         let tmp = self.dir.join(POOL_TMP_NAME);
         let path = self.dir.join(format!("{POOL_PREFIX}{n}"));
-        let made = write_blank_segment(
-            &self.fs,
-            &tmp,
-            self.seg_size,
-            Some(Zeros::Paced(WRITE_BACK_PAUSE)),
-            false,
-        )
-        .and_then(|_file| durable_rename(&self.fs, &tmp, &path, &self.dir, false));
+        let made = (|| {
+            let f = self
+                .fs
+                .open(&tmp, OpenMode::CreateTruncate)
+                .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+            let mut off = 0;
+            while off < self.seg_size {
+                while !self.quiet() {
+                    std::thread::sleep(POLL);
+                }
+                let end = (off + CHUNK).min(self.seg_size);
+                write_zeros(&*f, off, end, Zeros::Paced(WRITE_BACK_PAUSE))
+                    .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+                off = end;
+            }
+            fsync_or_abort(&*f, &tmp, SyncKind::All);
+            durable_rename(&self.fs, &tmp, &path, &self.dir, false)
+        })();
         if made.is_err() {
             let _ = self.fs.remove_file(&tmp);
         }
         made.map(|()| path)
     }
+
+    /// Gives the pool's segments back to the file system (it is past its limit).
+    fn give_back(&self) {
+        let ready = std::mem::take(&mut self.lock().ready);
+        crate::metrics::PREPARED_SEGMENTS.set(0);
+        for path in ready {
+            if let Err(e) = self.fs.remove_file(&path) {
+                tracing::warn!(path = %path.display(), error = %e, "removing a pooled segment");
+            }
+        }
+    }
 }
 
 /// The pool's thread: while the pool lives, writes a segment whenever fewer than `target` are
-/// ready and the node is quiet.
+/// ready, the node is quiet and the file system has room; gives them back when it has not.
 fn refill(pool: Weak<Inner>) {
     loop {
         let Some(inner) = pool.upgrade() else { return };
         let n = {
             let st = inner.lock();
-            let full =
-                || crate::disk_usage::fs_usage(&inner.dir).is_ok_and(|u| u.ratio >= MAX_FS_RATIO);
-            if st.ready.len() >= inner.target || !inner.quiet() || full() {
+            let ready = st.ready.len();
+            let full = inner.full();
+            if ready > 0 && full {
+                drop(st);
+                tracing::info!(
+                    ready,
+                    "the file system is past its limit: removing the pooled WAL segments"
+                );
+                inner.give_back();
+                continue;
+            }
+            if ready >= inner.target || full || !inner.quiet() {
                 drop(inner.changed.wait_timeout(st, POLL));
                 continue;
             }
@@ -272,7 +355,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (pool_dir, tl_dir) = (tmp.path().join("pool"), tmp.path().join("tl"));
         std::fs::create_dir_all(&tl_dir).unwrap();
-        let pool = SegmentPool::start(Fs::real(), &pool_dir, SEG, 2).unwrap();
+        let pool = SegmentPool::start(Fs::real(), &pool_dir, SEG, 2, 0.0).unwrap();
         wait_ready(&pool, 2);
         std::thread::sleep(POLL * 3);
         assert_eq!(pool.ready(), 2, "no more than the target");
@@ -293,7 +376,7 @@ mod tests {
     fn writes_only_when_quiet() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("pool");
-        let pool = SegmentPool::start(Fs::real(), &dir, SEG, 1).unwrap();
+        let pool = SegmentPool::start(Fs::real(), &dir, SEG, 1, 0.0).unwrap();
         pool.flushed();
         let busy_until = Instant::now() + QUIET / 2;
         while Instant::now() < busy_until {
@@ -305,21 +388,52 @@ mod tests {
         wait_ready(&pool, 1);
     }
 
-    /// A restart keeps whole segments and removes a half-written one and strangers.
+    /// A restart keeps whole segments; it removes a half-written one, a short one, and the
+    /// pool's name of a file also linked elsewhere (that file stays where it was taken to); a
+    /// directory is left alone.
     #[test]
     fn restart_keeps_whole_segments_only() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("pool");
-        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(dir.join("stranger")).unwrap();
         std::fs::write(dir.join(POOL_TMP_NAME), vec![0u8; 4096]).unwrap();
         std::fs::write(dir.join("prepared-7"), vec![0u8; SEG as usize]).unwrap();
         std::fs::write(dir.join("prepared-8"), vec![0u8; 4096]).unwrap();
-        let pool = SegmentPool::start(Fs::real(), &dir, SEG, 1).unwrap();
+        let wal = tmp.path().join("taken.partial");
+        std::fs::write(&wal, vec![7u8; SEG as usize]).unwrap();
+        std::fs::hard_link(&wal, dir.join("prepared-9")).unwrap();
+        let pool = SegmentPool::start(Fs::real(), &dir, SEG, 1, 0.0).unwrap();
         assert_eq!(pool.ready(), 1);
         assert!(!dir.join(POOL_TMP_NAME).exists());
         assert!(!dir.join("prepared-8").exists());
+        assert!(!dir.join("prepared-9").exists());
+        assert!(std::fs::read(&wal).unwrap().iter().all(|&b| b == 7));
+        assert!(dir.join("stranger").is_dir());
         let to = tmp.path().join("taken");
         assert!(pool.take(&to, tmp.path(), SEG).is_some());
         assert!(!dir.join("prepared-7").exists());
+    }
+
+    /// Past the file system's usage limit the pool writes nothing and gives back what it has.
+    #[test]
+    fn a_full_file_system_gets_the_pool_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("pool");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("prepared-0"), vec![0u8; SEG as usize]).unwrap();
+        // No file system is used below this.
+        let pool = SegmentPool::start(Fs::real(), &dir, SEG, 2, 1e-12).unwrap();
+        let start = Instant::now();
+        while dir.join("prepared-0").exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "kept past the limit"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(pool.ready(), 0);
+        std::thread::sleep(QUIET + POLL * 3);
+        assert_eq!(pool.ready(), 0);
+        assert!(!dir.join(POOL_TMP_NAME).exists(), "nothing begun");
     }
 }

@@ -239,33 +239,41 @@ impl Preparer {
     /// preparation has finished, else one of the node's pool if it has one; never waits for
     /// either.
     pub(super) fn take(&mut self, segno: u64) -> Result<Option<(SegmentFile, PathBuf)>> {
+        let path = segment_path(&self.dir, segno, self.seg_size, true);
+        if self.take_own(&path)? {
+            let file = self
+                .fs
+                .open(&path, OpenMode::ReadWrite)
+                .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+            return Ok(Some((file, path)));
+        }
+        let pooled = self
+            .pool
+            .as_ref()
+            .and_then(|p| p.take(&path, &self.dir, self.seg_size));
+        Ok(pooled.map(|file| (file, path)))
+    }
+
+    /// Renames this store's own prepared segment to `path` (durably) if its preparation has
+    /// finished well; whether it did.
+    fn take_own(&mut self, path: &Path) -> Result<bool> {
         let Some(task) = self.task.take_if(|t| t.is_finished()) else {
-            let path = segment_path(&self.dir, segno, self.seg_size, true);
-            let pooled = self
-                .pool
-                .as_ref()
-                .and_then(|p| p.take(&path, &self.dir, self.seg_size));
-            return Ok(pooled.map(|file| (file, path)));
+            return Ok(false);
         };
         let prep = self.dir.join(PREPARED_SEGMENT_NAME);
         match task.join() {
             Some(Ok(())) => {}
             Some(Err(e)) => {
-                tracing::warn!(dir = %self.dir.display(), error = %e, "preparing a WAL segment failed; creating it on the ingest path");
+                tracing::warn!(dir = %self.dir.display(), error = %e, "preparing a WAL segment failed");
                 let _ = self.fs.remove_file(&prep);
-                return Ok(None);
+                return Ok(false);
             }
-            None => return Ok(None),
+            None => return Ok(false),
         }
-        let path = segment_path(&self.dir, segno, self.seg_size, true);
         // The prepared file is durable at full size; its new name is made durable before any
         // WAL goes into it, as for a created segment.
-        durable_rename(&self.fs, &prep, &path, &self.dir, self.no_sync)?;
-        let file = self
-            .fs
-            .open(&path, OpenMode::ReadWrite)
-            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        Ok(Some((file, path)))
+        durable_rename(&self.fs, &prep, path, &self.dir, self.no_sync)?;
+        Ok(true)
     }
 
     /// Stops preparing: waits for a preparation in flight and removes what it made (an
