@@ -265,7 +265,11 @@ def test_nemesis(tmp_path, seed, node_disks):
     store = S3Store(tmp_path)
     cluster = Cluster(tmp_path, 4)
     cluster.env.update(store.env)
-    cluster.env["LOCAL_CLUSTER_SK_ARGS"] = f"--remote-storage {store.url} --wal-keep-size 0"
+    # No segment pool: on a 256 MiB disk it would hold a quarter of it, and give it back when a
+    # disk-full fault fills the rest (undoing the fault).
+    cluster.env["LOCAL_CLUSTER_SK_ARGS"] = (
+        f"--remote-storage {store.url} --wal-keep-size 0 --prepared-segments 0"
+    )
     # The real daemon (every fault here is real: no failpoint).
     cluster.env["LOCAL_CLUSTER_SK_BIN"] = str(RELEASE_DIR / "safekeeper")
     out = cluster.run("start", "3")

@@ -110,7 +110,8 @@ pub struct Conf {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_open_segment_files: Option<usize>,
 
-    /// Zero-filled WAL segments the node keeps ready in `<datadir>/segment_pool` (16 MiB each),
+    /// Zero-filled WAL segments the node keeps ready in `<datadir>/segment_pool` (of the size
+    /// the timelines ask for, 16 MiB until one asks for another),
     /// written only while no WAL was flushed for a second and the file system stays under 90 %
     /// used (or `--max-disk-usage-ratio`, if lower). A timeline takes one for each new segment instead of zero-filling its own under
     /// its commits: a burst of this many segments of WAL writes no zeros. `0`: no pool. Not

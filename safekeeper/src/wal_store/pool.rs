@@ -15,6 +15,10 @@
 //! `--max-disk-usage-ratio`, at most [`MAX_FS_RATIO`]) and gives its segments back when the
 //! file system is past it.
 //!
+//! Segment size: the pool's follows the timelines'. It starts at the size the node gives it; a
+//! timeline that asks for another size gets none this time, and the pool drops what it holds
+//! and refills with segments of that size (all timelines of a deployment share one size).
+//!
 //! Crash safety: a segment is written under [`POOL_TMP_NAME`], fsynced, and renamed to its
 //! final name (directory fsynced) before it is counted; start-up removes a leftover temporary
 //! file, any file that is not a whole segment, and the pool's name of a file also linked
@@ -63,7 +67,8 @@ pub struct SegmentPool(Arc<Inner>);
 struct Inner {
     fs: Fs,
     dir: PathBuf,
-    seg_size: u64,
+    /// The size of the segments it keeps (the last size a timeline asked for).
+    seg_size: AtomicU64,
     /// Segments the refill keeps ready.
     target: usize,
     /// Most used fraction of the file system the pool fills up to.
@@ -136,7 +141,7 @@ impl SegmentPool {
         let pool = SegmentPool(Arc::new(Inner {
             fs,
             dir: dir.to_path_buf(),
-            seg_size,
+            seg_size: AtomicU64::new(seg_size),
             target,
             max_ratio: if max_ratio > 0.0 {
                 max_ratio.min(MAX_FS_RATIO)
@@ -161,12 +166,17 @@ impl SegmentPool {
 
     /// The size of the pool's segments.
     pub fn seg_size(&self) -> u64 {
-        self.0.seg_size
+        self.0.seg_size()
     }
 
     /// Segments ready now.
     pub fn ready(&self) -> usize {
         self.0.lock().ready.len()
+    }
+
+    /// Whether a segment of `seg_size` bytes is ready now.
+    pub fn ready_for(&self, seg_size: u64) -> bool {
+        seg_size == self.seg_size() && self.ready() > 0
     }
 
     /// Segments handed over so far.
@@ -184,11 +194,12 @@ impl SegmentPool {
     /// bytes, and opens it for writing. `None` if none could be handed over (a failure is
     /// logged, and the caller creates its segment itself).
     pub fn take(&self, to: &Path, dir: &Path, seg_size: u64) -> Option<SegmentFile> {
-        if seg_size != self.0.seg_size {
-            return None;
-        }
         // A stream is starting or going on: the refill waits for the next quiet spell.
         self.flushed();
+        if seg_size != self.seg_size() {
+            self.0.resize(seg_size);
+            return None;
+        }
         let from = {
             let mut st = self.0.lock();
             let from = st.ready.pop()?;
@@ -234,6 +245,37 @@ impl Inner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn seg_size(&self) -> u64 {
+        self.seg_size.load(Ordering::Relaxed)
+    }
+
+    /// From now on keeps segments of `seg_size` bytes: those of the old size go.
+    fn resize(&self, seg_size: u64) {
+        let old = {
+            let mut st = self.lock();
+            if self.seg_size() == seg_size {
+                return;
+            }
+            tracing::info!(
+                from = self.seg_size(),
+                to = seg_size,
+                "the segment pool follows the timelines' segment size"
+            );
+            self.seg_size.store(seg_size, Ordering::Relaxed);
+            std::mem::take(&mut st.ready)
+        };
+        crate::metrics::PREPARED_SEGMENTS.set(0);
+        self.remove_files(old);
+    }
+
+    fn remove_files(&self, paths: Vec<PathBuf>) {
+        for path in paths {
+            if let Err(e) = self.fs.remove_file(&path) {
+                tracing::warn!(path = %path.display(), error = %e, "removing a pooled segment");
+            }
+        }
+    }
+
     fn quiet(&self) -> bool {
         match self.last_flush.load(Ordering::Relaxed) {
             0 => true,
@@ -247,12 +289,13 @@ impl Inner {
     /// Whether the file system is used past `max_ratio`, or would be with one more segment.
     fn full(&self) -> bool {
         crate::disk_usage::fs_usage(&self.dir).is_ok_and(|u| {
-            u.size == 0 || u.ratio + self.seg_size as f64 / u.size as f64 > self.max_ratio
+            u.size == 0 || u.ratio + self.seg_size() as f64 / u.size as f64 > self.max_ratio
         })
     }
 
-    /// Writes one segment into the pool, [`CHUNK`] by [`CHUNK`], each once the node is quiet.
-    fn prepare_one(&self, n: u64) -> Result<PathBuf> {
+    /// Writes one segment of `seg_size` bytes into the pool, [`CHUNK`] by [`CHUNK`], each once
+    /// the node is quiet.
+    fn prepare_one(&self, n: u64, seg_size: u64) -> Result<PathBuf> {
         let tmp = self.dir.join(POOL_TMP_NAME);
         let path = self.dir.join(format!("{POOL_PREFIX}{n}"));
         let made = (|| {
@@ -261,11 +304,11 @@ impl Inner {
                 .open(&tmp, OpenMode::CreateTruncate)
                 .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
             let mut off = 0;
-            while off < self.seg_size {
+            while off < seg_size {
                 while !self.quiet() {
                     std::thread::sleep(POLL);
                 }
-                let end = (off + CHUNK).min(self.seg_size);
+                let end = (off + CHUNK).min(seg_size);
                 write_zeros(&*f, off, end, Zeros::Paced(WRITE_BACK_PAUSE))
                     .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
                 off = end;
@@ -283,11 +326,7 @@ impl Inner {
     fn give_back(&self) {
         let ready = std::mem::take(&mut self.lock().ready);
         crate::metrics::PREPARED_SEGMENTS.set(0);
-        for path in ready {
-            if let Err(e) = self.fs.remove_file(&path) {
-                tracing::warn!(path = %path.display(), error = %e, "removing a pooled segment");
-            }
-        }
+        self.remove_files(ready);
     }
 }
 
@@ -296,7 +335,7 @@ impl Inner {
 fn refill(pool: Weak<Inner>) {
     loop {
         let Some(inner) = pool.upgrade() else { return };
-        let n = {
+        let (n, seg_size) = {
             let st = inner.lock();
             let ready = st.ready.len();
             let full = inner.full();
@@ -313,14 +352,20 @@ fn refill(pool: Weak<Inner>) {
                 drop(inner.changed.wait_timeout(st, POLL));
                 continue;
             }
-            st.next_name
+            (st.next_name, inner.seg_size())
         };
-        match inner.prepare_one(n) {
+        match inner.prepare_one(n, seg_size) {
             Ok(path) => {
                 let mut st = inner.lock();
                 st.next_name = n + 1;
-                st.ready.push(path);
-                crate::metrics::PREPARED_SEGMENTS.set(st.ready.len() as i64);
+                if inner.seg_size() == seg_size {
+                    st.ready.push(path);
+                    crate::metrics::PREPARED_SEGMENTS.set(st.ready.len() as i64);
+                } else {
+                    // Resized meanwhile.
+                    drop(st);
+                    inner.remove_files(vec![path]);
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "preparing a pooled WAL segment failed; trying again in {RETRY_AFTER:?}");
@@ -360,7 +405,6 @@ mod tests {
         std::thread::sleep(POLL * 3);
         assert_eq!(pool.ready(), 2, "no more than the target");
         let to = tl_dir.join("seg.partial");
-        assert!(pool.take(&to, &tl_dir, 2 * SEG).is_none(), "another size");
         let _file = pool.take(&to, &tl_dir, SEG).expect("a ready segment");
         assert_eq!(std::fs::metadata(&to).unwrap().len(), SEG);
         let data = std::fs::read(&to).unwrap();
@@ -435,5 +479,29 @@ mod tests {
         std::thread::sleep(QUIET + POLL * 3);
         assert_eq!(pool.ready(), 0);
         assert!(!dir.join(POOL_TMP_NAME).exists(), "nothing begun");
+    }
+
+    /// A timeline of another segment size gets nothing at once; the pool then drops its
+    /// segments and refills with that size, which the next take gets.
+    #[test]
+    fn the_pool_follows_the_timelines_segment_size() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("pool");
+        let pool = SegmentPool::start(Fs::real(), &dir, SEG, 1, 0.0).unwrap();
+        wait_ready(&pool, 1);
+        let to = tmp.path().join("seg.partial");
+        assert!(pool.take(&to, tmp.path(), 2 * SEG).is_none());
+        assert_eq!((pool.seg_size(), pool.ready()), (2 * SEG, 0));
+        assert!(!pool.ready_for(SEG));
+        wait_ready(&pool, 1);
+        assert!(pool.ready_for(2 * SEG));
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+        assert_eq!(std::fs::metadata(&names[0]).unwrap().len(), 2 * SEG);
+        assert!(pool.take(&to, tmp.path(), 2 * SEG).is_some());
+        assert_eq!(std::fs::metadata(&to).unwrap().len(), 2 * SEG);
     }
 }

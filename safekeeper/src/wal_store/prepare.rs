@@ -203,7 +203,7 @@ impl Preparer {
             background: opts.background.clone(),
             task: None,
             opened_at: None,
-            pool: opts.pool.clone().filter(|p| p.seg_size() == seg_size),
+            pool: opts.pool.clone(),
         }
     }
 
@@ -218,7 +218,10 @@ impl Preparer {
             prev + 1 == segno && (self.seg_size as f64) < self.below_rate as f64 * elapsed
         });
         self.opened_at = Some((segno, now));
-        let pooled = self.pool.as_ref().is_some_and(|p| p.ready() > 0);
+        let pooled = self
+            .pool
+            .as_ref()
+            .is_some_and(|p| p.ready_for(self.seg_size));
         if slow && self.task.is_none() && !pooled {
             let fs = self.fs.clone();
             let path = self.dir.join(PREPARED_SEGMENT_NAME);
