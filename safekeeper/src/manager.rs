@@ -254,6 +254,8 @@ pub struct ManagerCore {
     /// Missing segments already reported.
     missing: BTreeSet<u64>,
     saving: bool,
+    /// A failed save is tried again from then on, and the delay after the next failure.
+    save_retry: (Duration, Duration),
     /// The horizon of the removal in flight.
     removing: Option<Lsn>,
     /// A removal that readers' holds cut short is tried again from then on.
@@ -324,6 +326,7 @@ impl ManagerCore {
             retry: BTreeMap::new(),
             missing: BTreeSet::new(),
             saving: false,
+            save_retry: (Duration::ZERO, FIRST_BACKOFF),
             removing: None,
             remove_again_at: Duration::ZERO,
             last_save: Duration::ZERO,
@@ -387,6 +390,12 @@ impl ManagerCore {
                 self.saving = false;
                 if ok {
                     self.last_save = self.now;
+                    self.save_retry = (Duration::ZERO, FIRST_BACKOFF);
+                } else {
+                    // A file system that refuses the save (gone, full, read-only) is not asked
+                    // again at once: that was a busy loop of errors.
+                    let delay = self.save_retry.1;
+                    self.save_retry = (self.now + delay, (delay * 2).min(MAX_BACKOFF));
                 }
             }
             Event::Removed { first_local } => {
@@ -473,8 +482,8 @@ impl ManagerCore {
         if self.removing.is_none() && self.remove_again_at > self.now {
             consider(self.remove_again_at);
         }
-        if !self.saving && self.obs.inmem != self.obs.persisted {
-            consider(self.last_save + self.cfg.save_interval);
+        if let Some(at) = self.save_at() {
+            consider(at);
         }
         if let (Some(timeout), Some(since), None) = (
             self.cfg.partial_timeout,
@@ -520,11 +529,32 @@ impl ManagerCore {
         )
     }
 
+    /// When the control file is to be saved, if it is: when due, at once when the commit ran a
+    /// segment ahead (as `maybe_persist_inmem`) or the in-memory state would let removal go
+    /// further than the saved one; never before a failed save's backoff has passed.
+    fn save_at(&self) -> Option<Duration> {
+        if self.saving || self.obs.inmem == self.obs.persisted {
+            return None;
+        }
+        let seg = self.cfg.seg_size;
+        let persisted = self.horizon_of(&self.obs.persisted);
+        let inmem = self.horizon_of(&self.obs.inmem);
+        let removal_waits = inmem.is_valid()
+            && inmem.segment_number(seg) > persisted.segment_number(seg).max(self.first_local);
+        let commit_ahead =
+            self.obs.inmem.commit_lsn.0 >= self.obs.persisted.commit_lsn.0.saturating_add(seg);
+        let at = if commit_ahead || removal_waits {
+            self.now
+        } else {
+            self.last_save + self.cfg.save_interval
+        };
+        Some(at.max(self.save_retry.0))
+    }
+
     fn decide(&mut self, out: &mut Vec<Action>) {
         let seg = self.cfg.seg_size;
         // Removal, from the persisted state only.
         let persisted = self.horizon_of(&self.obs.persisted);
-        let inmem = self.horizon_of(&self.obs.inmem);
         if self.removing.is_none()
             && self.now >= self.remove_again_at
             && persisted.is_valid()
@@ -533,15 +563,7 @@ impl ManagerCore {
             self.removing = Some(persisted);
             out.push(Action::Remove { horizon: persisted });
         }
-        // Save: when due, when the commit ran a segment ahead (as `maybe_persist_inmem`), and
-        // when the in-memory state would let removal go further than the saved one.
-        let dirty = self.obs.inmem != self.obs.persisted;
-        let removal_waits = inmem.is_valid()
-            && inmem.segment_number(seg) > persisted.segment_number(seg).max(self.first_local);
-        let commit_ahead =
-            self.obs.inmem.commit_lsn.0 >= self.obs.persisted.commit_lsn.0.saturating_add(seg);
-        let due = self.now >= self.last_save + self.cfg.save_interval;
-        if !self.saving && dirty && (due || commit_ahead || removal_waits) {
+        if self.save_at().is_some_and(|at| self.now >= at) {
             self.saving = true;
             out.push(Action::Save);
         }

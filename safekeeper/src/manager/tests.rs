@@ -190,6 +190,52 @@ fn a_failed_upload_is_retried_with_backoff() {
     assert_eq!(core.next_wakeup(), Some(FIRST_BACKOFF * 3), "doubled");
 }
 
+/// A save the file system refuses (its directory gone, a full or read-only disk) is tried
+/// again after a backoff that doubles, never at once: the lifecycle loop once logged such an
+/// error tens of thousands of times a second, at half a core.
+#[test]
+fn a_failed_save_is_retried_with_backoff() {
+    let cfg = Config {
+        remote: false,
+        ..cfg()
+    };
+    let persisted = lsns(500, 0, 0);
+    let mut core = ManagerCore::new(cfg, obs(persisted, persisted), 1);
+    let far = lsns(2 * SEG + 500, 0, 0);
+    assert_eq!(
+        core.step(Event::Observed(obs(far, persisted))),
+        vec![Action::Save]
+    );
+    let out = core.step(Event::Saved { ok: false });
+    assert!(!out.contains(&Action::Save), "not at once: {out:?}");
+    assert!(
+        !core
+            .step(Event::Observed(obs(far, persisted)))
+            .contains(&Action::Save)
+    );
+    assert_eq!(core.next_wakeup(), Some(FIRST_BACKOFF));
+    assert_eq!(core.step(Event::Tick(FIRST_BACKOFF)), vec![Action::Save]);
+    core.step(Event::Saved { ok: false });
+    assert_eq!(core.next_wakeup(), Some(FIRST_BACKOFF * 3), "doubled");
+    // Not before the doubled delay.
+    assert!(core.step(Event::Tick(FIRST_BACKOFF * 2)).is_empty());
+    assert_eq!(
+        core.step(Event::Tick(FIRST_BACKOFF * 3)),
+        vec![Action::Save]
+    );
+    // The save took: what it wrote is the persisted state.
+    assert!(core.step(Event::Observed(obs(far, far))).is_empty());
+    assert!(core.step(Event::Saved { ok: true }).is_empty());
+    // Saved: the next failure starts from the first delay again.
+    let further = lsns(4 * SEG + 500, 0, 0);
+    assert_eq!(
+        core.step(Event::Observed(obs(further, far))),
+        vec![Action::Save]
+    );
+    core.step(Event::Saved { ok: false });
+    assert_eq!(core.next_wakeup(), Some(FIRST_BACKOFF * 4));
+}
+
 /// Issue 26: after a restart whose control file was older than a removal, the backup LSN is
 /// below the first local segment. The store's listing covers those segments; one it does not
 /// hold is reported, never retried from a file that is gone.
