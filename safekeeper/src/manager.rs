@@ -537,10 +537,11 @@ impl ManagerCore {
             return None;
         }
         let seg = self.cfg.seg_size;
-        let persisted = self.horizon_of(&self.obs.persisted);
-        let inmem = self.horizon_of(&self.obs.inmem);
-        let removal_waits = inmem.is_valid()
-            && inmem.segment_number(seg) > persisted.segment_number(seg).max(self.first_local);
+        let saved_horizon = self.horizon_of(&self.obs.persisted);
+        let inmem_horizon = self.horizon_of(&self.obs.inmem);
+        let removal_waits = inmem_horizon.is_valid()
+            && inmem_horizon.segment_number(seg)
+                > saved_horizon.segment_number(seg).max(self.first_local);
         let commit_ahead =
             self.obs.inmem.commit_lsn.0 >= self.obs.persisted.commit_lsn.0.saturating_add(seg);
         let at = if commit_ahead || removal_waits {
