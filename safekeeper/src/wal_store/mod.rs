@@ -502,10 +502,14 @@ impl WalFileStore {
     }
 
     /// WAL (or the first segment's image) is about to be written below `end` in segment
-    /// `segno`: a fresh segment's zeros end there at the latest (see `fresh`). Opens (or
-    /// creates) the segment first, so a segment made for this very write is marked too.
+    /// `segno`: a fresh segment's zeros end there at the latest (see `fresh`). Unless it is the
+    /// fresh segment already (it exists then: only truncation removes segments, and it keeps
+    /// that one), opens (or creates) it first, so a segment made for this very write is marked
+    /// too.
     fn dirtying(&mut self, segno: u64, end: u64) -> Result<()> {
-        self.with_segment(segno, |_| Ok(()))?;
+        if self.fresh.is_none_or(|(s, _)| s != segno) {
+            self.with_segment(segno, |_| Ok(()))?;
+        }
         if let Some((s, dirty_to)) = &mut self.fresh
             && *s == segno
         {
