@@ -179,6 +179,19 @@ impl SegmentPool {
         seg_size == self.seg_size() && self.ready() > 0
     }
 
+    /// Waits (at most 30 s, else panics) until `n` segments are ready (tests).
+    #[cfg(test)]
+    pub(super) fn wait_ready(&self, n: usize) {
+        let start = Instant::now();
+        while self.ready() < n {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "pool never filled"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Segments handed over so far.
     pub fn taken(&self) -> u64 {
         self.0.taken.load(Ordering::Relaxed)
@@ -382,17 +395,6 @@ mod tests {
 
     const SEG: u64 = 1 << 20;
 
-    fn wait_ready(pool: &SegmentPool, n: usize) {
-        let start = Instant::now();
-        while pool.ready() < n {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "pool never filled"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
     /// The pool fills to its target with whole zeroed segments, hands one over under the
     /// caller's name, and refills.
     #[test]
@@ -401,7 +403,7 @@ mod tests {
         let (pool_dir, tl_dir) = (tmp.path().join("pool"), tmp.path().join("tl"));
         std::fs::create_dir_all(&tl_dir).unwrap();
         let pool = SegmentPool::start(Fs::real(), &pool_dir, SEG, 2, 0.0).unwrap();
-        wait_ready(&pool, 2);
+        pool.wait_ready(2);
         std::thread::sleep(POLL * 3);
         assert_eq!(pool.ready(), 2, "no more than the target");
         let to = tl_dir.join("seg.partial");
@@ -412,7 +414,7 @@ mod tests {
         // Allocated, not sparse: every block is on disk.
         let meta = std::fs::metadata(&to).unwrap();
         assert!(std::os::unix::fs::MetadataExt::blocks(&meta) * 512 >= SEG);
-        wait_ready(&pool, 2);
+        pool.wait_ready(2);
     }
 
     /// Nothing is written while WAL is being flushed; the pool fills once the node is quiet.
@@ -429,7 +431,7 @@ mod tests {
         }
         assert_eq!(pool.ready(), 0);
         assert!(!dir.join(POOL_TMP_NAME).exists(), "no segment begun");
-        wait_ready(&pool, 1);
+        pool.wait_ready(1);
     }
 
     /// A restart keeps whole segments; it removes a half-written one, a short one, and the
@@ -488,12 +490,12 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("pool");
         let pool = SegmentPool::start(Fs::real(), &dir, SEG, 1, 0.0).unwrap();
-        wait_ready(&pool, 1);
+        pool.wait_ready(1);
         let to = tmp.path().join("seg.partial");
         assert!(pool.take(&to, tmp.path(), 2 * SEG).is_none());
         assert_eq!((pool.seg_size(), pool.ready()), (2 * SEG, 0));
         assert!(!pool.ready_for(SEG));
-        wait_ready(&pool, 1);
+        pool.wait_ready(1);
         assert!(pool.ready_for(2 * SEG));
         let names: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()

@@ -1418,11 +1418,7 @@ fn a_flush_releases_the_gathering_buffer() {
 /// A pool of `n` segments, filled.
 fn filled_pool(dir: &Path, n: usize) -> super::SegmentPool {
     let pool = super::SegmentPool::start(Fs::real(), dir, SEG, n, 0.0).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while pool.ready() < n {
-        assert!(std::time::Instant::now() < deadline, "pool never filled");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    pool.wait_ready(n);
     pool
 }
 
