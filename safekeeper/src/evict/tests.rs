@@ -41,6 +41,13 @@ fn stored_timeline(
     stored_timeline_with(fs, storage, 2 * SEG + SEG / 2, false)
 }
 
+/// [`stored_timeline`], evicted: the node, the WAL and its end.
+fn evicted_timeline(fs: &Fs, storage: &Arc<RemoteStorage>) -> (GlobalTimelines, Vec<u8>, Lsn) {
+    let (timelines, tl, wal, end) = stored_timeline(fs, storage);
+    crate::blocking::section(|| timelines.evict(&tl, end)).unwrap();
+    (timelines, wal, end)
+}
+
 /// [`stored_timeline`] with `size` bytes of WAL (at least), then a WAL switch if `switch`
 /// (which ends the WAL at a segment boundary).
 fn stored_timeline_with(
@@ -217,9 +224,7 @@ fn an_eviction_is_refused_when_the_wal_moved_or_a_proposer_is_connected() {
 fn a_restore_without_its_wal_in_the_store_fails_clearly_and_is_retried() {
     let (_sim, fs, _) = sim_node();
     let storage = memory_store();
-    let (timelines, tl, wal, end) = stored_timeline(&fs, &storage);
-    crate::blocking::section(|| timelines.evict(&tl, end)).unwrap();
-    drop(tl);
+    let (timelines, wal, end) = evicted_timeline(&fs, &storage);
     let timelines = Arc::new(timelines);
     let empty = memory_store();
     // A node whose store lost the object (or another store): the restore reads that one.
@@ -275,9 +280,7 @@ fn a_crash_at_any_step_of_eviction_or_restore_loses_nothing() {
     for upto in [RestoreStep::Download, RestoreStep::Open] {
         let (sim, fs) = SimFs::with_dir(Path::new(DATADIR));
         let storage = memory_store();
-        let (timelines, tl, wal, end) = stored_timeline(&fs, &storage);
-        crate::blocking::section(|| timelines.evict(&tl, end)).unwrap();
-        drop(tl);
+        let (timelines, wal, end) = evicted_timeline(&fs, &storage);
         assert!(restore_upto(&timelines, &storage, upto).is_err());
         drop(timelines);
         sim.process_crash();
@@ -419,9 +422,7 @@ fn a_snapshot_of_a_timeline_being_evicted_is_refused() {
 fn a_stored_copy_that_does_not_verify_gives_way_to_the_next() {
     let (_sim, fs, _) = sim_node();
     let storage = memory_store();
-    let (timelines, tl, wal, end) = stored_timeline(&fs, &storage);
-    crate::blocking::section(|| timelines.evict(&tl, end)).unwrap();
-    drop(tl);
+    let (timelines, wal, end) = evicted_timeline(&fs, &storage);
     let timelines = Arc::new(timelines);
     let segno = end.segment_number(SEG);
     let off = end.segment_offset(SEG) as usize;
