@@ -285,15 +285,95 @@ fn decode_body(body: &[u8], version: u32) -> std::result::Result<TimelinePersist
 ///
 /// Invariant: `state` equals what the file on disk holds (it is updated only after a
 /// successful, durable persist).
+///
+/// A save can also run in two phases, so that its write (an fsync, a rename and a directory
+/// fsync: milliseconds) runs outside the caller's lock: [`FileControlStore::begin_save`] under
+/// the lock, [`PendingSave::write`] outside it, [`FileControlStore::finish_save`] under it again.
+/// Every save, either kind, gets a sequence number when its state is taken, in the caller's
+/// lock order, and the file only ever moves to a later one:
+/// - a write whose number is not above the file's is skipped: a later state (a vote, say) is
+///   already there, and this older snapshot would take it back;
+/// - `state` takes a written save only if no later one was taken into it meanwhile: the file
+///   may hold the later one.
 #[derive(Debug)]
 pub struct FileControlStore {
-    fs: Fs,
-    dir: PathBuf,
+    writer: std::sync::Arc<Writer>,
     /// Shared with the timeline's published view ([`FileControlStore::shared`]): a new `Arc`
     /// per persist, so a reader sees one persisted state whole.
     state: std::sync::Arc<TimelinePersistentState>,
+    /// The number of the last save begun (0: none since the store was opened).
+    issued: u64,
+    /// The number of the save `state` is (0: the state opened).
+    adopted: u64,
+}
+
+/// What writes the file, shared by the store and its saves in flight.
+#[derive(Debug)]
+struct Writer {
+    fs: Fs,
+    dir: PathBuf,
     /// Skip fsyncs (tests only).
     no_sync: bool,
+    /// The number of the save the file holds. Held while writing: one write at a time.
+    written: std::sync::Mutex<u64>,
+}
+
+impl Writer {
+    fn new(fs: Fs, dir: PathBuf, no_sync: bool) -> std::sync::Arc<Writer> {
+        std::sync::Arc::new(Writer {
+            fs,
+            dir,
+            no_sync,
+            written: std::sync::Mutex::new(0),
+        })
+    }
+
+    /// Writes save `seq` durably unless the file holds a later one. Returns whether it wrote.
+    fn write(&self, seq: u64, state: &TimelinePersistentState) -> Result<bool> {
+        // A panic while holding it aborted a write, which `written` never counted.
+        let mut written = self
+            .written
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if seq <= *written {
+            return Ok(false);
+        }
+        write_durably(&self.fs, &self.dir, state, self.no_sync)?;
+        *written = seq;
+        Ok(true)
+    }
+}
+
+/// A save begun under the caller's lock, to be written outside it
+/// ([`FileControlStore::begin_save`]).
+#[derive(Debug)]
+#[must_use = "a save begun is written, then finished"]
+pub struct PendingSave {
+    writer: std::sync::Arc<Writer>,
+    seq: u64,
+    state: std::sync::Arc<TimelinePersistentState>,
+}
+
+impl PendingSave {
+    /// Writes the state durably (blocking, without the caller's lock). `None`: skipped, the
+    /// file already holds a later save.
+    pub fn write(self) -> Result<Option<WrittenSave>> {
+        Ok(self
+            .writer
+            .write(self.seq, &self.state)?
+            .then_some(WrittenSave {
+                seq: self.seq,
+                state: self.state,
+            }))
+    }
+}
+
+/// A save on disk, for [`FileControlStore::finish_save`].
+#[derive(Debug)]
+#[must_use = "a written save is finished under the caller's lock"]
+pub struct WrittenSave {
+    seq: u64,
+    state: std::sync::Arc<TimelinePersistentState>,
 }
 
 impl FileControlStore {
@@ -323,12 +403,7 @@ impl FileControlStore {
             )));
         }
         write_durably(&fs, &dir, &state, no_sync)?;
-        Ok(FileControlStore {
-            fs,
-            dir,
-            state: std::sync::Arc::new(state),
-            no_sync,
-        })
+        Ok(FileControlStore::opened(fs, dir, state, no_sync))
     }
 
     /// Loads and verifies the control file in `dir`.
@@ -361,17 +436,48 @@ impl FileControlStore {
             fsync_or_abort(&*f, &path, SyncKind::All);
             fsync_dir(&fs, &dir)?;
         }
-        Ok(FileControlStore {
-            fs,
-            dir,
+        Ok(FileControlStore::opened(fs, dir, state, no_sync))
+    }
+
+    fn opened(
+        fs: Fs,
+        dir: PathBuf,
+        state: TimelinePersistentState,
+        no_sync: bool,
+    ) -> FileControlStore {
+        FileControlStore {
+            writer: Writer::new(fs, dir, no_sync),
             state: std::sync::Arc::new(state),
-            no_sync,
-        })
+            issued: 0,
+            adopted: 0,
+        }
     }
 
     /// Path of the control file.
     pub fn path(&self) -> PathBuf {
-        self.dir.join(CONTROL_FILE_NAME)
+        self.writer.dir.join(CONTROL_FILE_NAME)
+    }
+
+    /// Begins a save of `state` (under the caller's lock, which orders it against every other
+    /// save): numbers it. Write it with [`PendingSave::write`], then finish it.
+    pub fn begin_save(&mut self, state: TimelinePersistentState) -> PendingSave {
+        self.issued += 1;
+        PendingSave {
+            writer: self.writer.clone(),
+            seq: self.issued,
+            state: std::sync::Arc::new(state),
+        }
+    }
+
+    /// Finishes a written save (under the caller's lock): it becomes the persisted state
+    /// unless a later save did meanwhile. Returns whether it did.
+    pub fn finish_save(&mut self, saved: WrittenSave) -> bool {
+        if saved.seq <= self.adopted {
+            return false;
+        }
+        self.adopted = saved.seq;
+        self.state = saved.state;
+        true
     }
 }
 
@@ -416,8 +522,12 @@ impl Deref for FileControlStore {
 
 impl ControlStore for FileControlStore {
     fn persist(&mut self, state: &TimelinePersistentState) -> Result<()> {
-        write_durably(&self.fs, &self.dir, state, self.no_sync)?;
-        self.state = std::sync::Arc::new(state.clone());
+        // Numbered like a two-phase save, so that none begun earlier overwrites this one (the
+        // write waits for one in progress).
+        let saved = self.begin_save(state.clone()).write()?;
+        if let Some(saved) = saved {
+            self.finish_save(saved);
+        }
         Ok(())
     }
 }
@@ -562,6 +672,68 @@ mod tests {
         assert!(!dir.path().join(CONTROL_FILE_TMP_NAME).exists());
         let loaded = FileControlStore::load(dir.path(), false).unwrap();
         assert_eq!(*loaded, s);
+    }
+
+    /// The two-phase save against a vote persisted between its phases: a snapshot taken
+    /// before the vote never reaches the file after it, and one written before it never
+    /// becomes the persisted state after it.
+    #[test]
+    fn a_save_taken_before_a_vote_never_takes_the_vote_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let s0 = sample();
+        let mut store = FileControlStore::create_new(dir.path(), s0.clone(), false).unwrap();
+        let lazy = |base: &TimelinePersistentState, commit: u64| {
+            let mut s = base.clone();
+            s.commit_lsn = Lsn(commit);
+            s
+        };
+        let vote = |base: &TimelinePersistentState, term: u64| {
+            let mut s = base.clone();
+            s.acceptor_state.term = Term(term);
+            s
+        };
+        let on_disk = || (*FileControlStore::load(dir.path(), false).unwrap()).clone();
+
+        // Alone: written, then the persisted state.
+        let s1 = lazy(&s0, 0x310_0000);
+        let written = store
+            .begin_save(s1.clone())
+            .write()
+            .unwrap()
+            .expect("written");
+        assert_eq!(on_disk(), s1);
+        assert!(store.finish_save(written));
+        assert_eq!(*store, s1);
+
+        // Taken, then a vote persisted, then written: skipped.
+        let stale = store.begin_save(lazy(&s1, 0x320_0000));
+        let v8 = vote(&s1, 8);
+        store.persist(&v8).unwrap();
+        assert!(stale.write().unwrap().is_none(), "a stale save was written");
+        assert_eq!(on_disk(), v8, "the vote was taken back");
+        assert_eq!(*store, v8);
+
+        // Taken and written, then a vote persisted (from the state before it), then finished:
+        // the vote stays the persisted state, as it is the file's.
+        let written = store
+            .begin_save(lazy(&v8, 0x330_0000))
+            .write()
+            .unwrap()
+            .expect("written");
+        let v9 = vote(&v8, 9);
+        store.persist(&v9).unwrap();
+        assert!(!store.finish_save(written), "an overwritten save was taken");
+        assert_eq!(*store, v9);
+        assert_eq!(on_disk(), v9);
+
+        // Two saves in flight: the later one wins whatever order they are written in.
+        let first = store.begin_save(lazy(&v9, 0x340_0000));
+        let second = lazy(&v9, 0x350_0000);
+        let later = store.begin_save(second.clone()).write().unwrap().unwrap();
+        assert!(first.write().unwrap().is_none());
+        assert!(store.finish_save(later));
+        assert_eq!(*store, second);
+        assert_eq!(on_disk(), second);
     }
 
     #[test]

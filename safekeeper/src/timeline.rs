@@ -31,7 +31,7 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::blocking::LeafMutex;
-use crate::control_file::FileControlStore;
+use crate::control_file::{FileControlStore, PendingSave, WrittenSave};
 use crate::feedback::{ReaderHandle, ReaderInfo, ReaderStatus, Readers};
 use crate::manager::Lsns;
 use crate::manager::recovery::{LocalView, RecoveryStatus};
@@ -958,21 +958,50 @@ impl Timeline {
         }
     }
 
-    /// Persists in-memory LSNs if they are due (or always with `force`). Blocking.
+    /// Persists in-memory LSNs if they are due (or always with `force`). Blocking. Returns
+    /// whether it wrote.
+    ///
+    /// The write runs outside the acceptor lock: appends and their replies go on meanwhile
+    /// (a control-file save takes milliseconds, the commits behind it would wait that long).
+    /// The store's save numbers keep it from taking back a vote or any other state saved
+    /// after this one was taken ([`FileControlStore::begin_save`]).
     pub fn maybe_persist(&self, force: bool) -> Result<bool, SafeKeeperError> {
         let due = force || self.last_persist.lock().elapsed() >= CONTROL_FILE_SAVE_INTERVAL;
+        let wrote = match self.begin_save(due) {
+            Some(save) => {
+                let written = save.write().map_err(SafeKeeperError::from)?;
+                let wrote = written.is_some();
+                self.finish_save(written);
+                wrote
+            }
+            None => false,
+        };
+        if wrote || due {
+            *self.last_persist.lock() = Instant::now();
+        }
+        Ok(wrote)
+    }
+
+    /// The first phase of [`Timeline::maybe_persist`]: takes the state to save, under the
+    /// acceptor lock. `None`: nothing to save (or the timeline is evicted).
+    pub(crate) fn begin_save(&self, due: bool) -> Option<PendingSave> {
         let mut a = self.lock();
         if self.evicted.load(Ordering::SeqCst) {
             // The control file is the evicted timeline's (or its restored successor's) now.
-            return Ok(false);
+            return None;
         }
-        let wrote = a.maybe_persist_inmem(due);
-        self.publish(&a);
-        drop(a);
-        if wrote.as_ref().is_ok_and(|w| *w) || due {
-            *self.last_persist.lock() = Instant::now();
+        let s = a.inmem_to_save(due)?;
+        Some(a.control_mut().begin_save(s))
+    }
+
+    /// The last phase of [`Timeline::maybe_persist`]: a written save becomes the persisted
+    /// state (unless a later one did meanwhile) and is published.
+    pub(crate) fn finish_save(&self, written: Option<WrittenSave>) {
+        let Some(saved) = written else { return };
+        let mut a = self.lock();
+        if a.control_mut().finish_save(saved) {
+            self.publish(&a);
         }
-        wrote
     }
 
     /// Proposers and readers connected now.

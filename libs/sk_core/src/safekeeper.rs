@@ -298,6 +298,12 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
         &self.control
     }
 
+    /// The control store, to finish a save written outside the caller's lock (see
+    /// [`SafeKeeper::inmem_to_save`]). The state it then holds must be durable.
+    pub fn control_mut(&mut self) -> &mut CTRL {
+        &mut self.control
+    }
+
     /// Gives the storage back (a test "reboot" rebuilds a `SafeKeeper` from it).
     pub fn into_storage(self) -> (CTRL, WAL) {
         (self.control, self.wal)
@@ -324,12 +330,7 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
     /// Persists the in-memory values if they differ from the control file. Returns whether it
     /// wrote.
     pub fn persist_inmem(&mut self) -> Result<bool, SafeKeeperError> {
-        let s = self.state_with_inmem();
-        if s == *self.control {
-            return Ok(false);
-        }
-        self.control.persist(&s)?;
-        Ok(true)
+        self.maybe_persist_inmem(true)
     }
 
     /// Persists the in-memory values with the eviction flag set to `evicted` (see
@@ -347,16 +348,30 @@ impl<CTRL: ControlStore, WAL: WalStore> SafeKeeper<CTRL, WAL> {
     /// values if `force` (the caller's save interval elapsed, or shutdown) or if the commit LSN
     /// ran a whole segment ahead of the persisted one. Returns whether it wrote.
     pub fn maybe_persist_inmem(&mut self, force: bool) -> Result<bool, SafeKeeperError> {
+        match self.inmem_to_save(force) {
+            Some(s) => {
+                self.control.persist(&s)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The state [`SafeKeeper::maybe_persist_inmem`] would persist now, for a caller that
+    /// writes it outside its lock (the file store's two-phase save) and then makes it the
+    /// persisted state through [`SafeKeeper::control_mut`].
+    pub fn inmem_to_save(&self, force: bool) -> Option<TimelinePersistentState> {
         let seg = u64::from(self.control.server.wal_seg_size.max(1));
         let lag = self
             .inmem
             .commit_lsn
             .0
             .saturating_sub(self.control.commit_lsn.0);
-        if force || lag >= seg {
-            return self.persist_inmem();
+        if !force && lag < seg {
+            return None;
         }
-        Ok(false)
+        let s = self.state_with_inmem();
+        (s != *self.control).then_some(s)
     }
 
     /// Records the pageserver's `remote_consistent_lsn` (in memory; persisted lazily).

@@ -87,6 +87,15 @@ struct Live {
     pending: Vec<Action>,
     /// Readers' holds, each with its connection (counted: an eviction is refused meanwhile).
     holds: Vec<(Lsn, ReadHold, crate::timeline::ConnectionGuard)>,
+    /// A control-file save in flight between its phases ([`Timeline::maybe_persist`]):
+    /// appends, votes, evictions and crashes land between them.
+    save: Option<SaveInFlight>,
+}
+
+/// A two-phase control-file save, taken or written.
+enum SaveInFlight {
+    Taken(crate::control_file::PendingSave),
+    Written(Option<crate::control_file::WrittenSave>),
 }
 
 /// One safekeeper.
@@ -107,6 +116,9 @@ struct Node {
     acked: Lsn,
     /// The term the proposer last elected this node in (0: never, or since its restart).
     elected: u64,
+    /// The highest term and persisted LSNs this node's published state called persisted (a
+    /// restart must find at least them): `(term, commit, backup, peers' horizon)`.
+    durable: (Term, Lsn, Lsn, Lsn),
 }
 
 impl Node {
@@ -158,6 +170,7 @@ impl Sim {
                     restored_from: None,
                     acked: START,
                     elected: 0,
+                    durable: Default::default(),
                 }
             })
             .collect();
@@ -226,6 +239,7 @@ impl Sim {
             })
             .expect("the timeline is created");
             self.nodes[i].acked = START;
+            self.nodes[i].durable = Default::default();
             self.nodes[i].restored_from = None;
             self.attach(i, tl);
             assert!(vote(&self.nodes[i].live.as_ref().unwrap().tl, 1).vote_given);
@@ -254,6 +268,7 @@ impl Sim {
             core,
             pending,
             holds: Vec::new(),
+            save: None,
         });
     }
 
@@ -481,6 +496,10 @@ impl Sim {
         let Some(live) = self.nodes[i].live.as_mut() else {
             return;
         };
+        if live.save.is_some() && (live.pending.is_empty() || self.rng.random_bool(0.5)) {
+            self.advance_save(i);
+            return;
+        }
         if live.pending.is_empty() {
             return;
         }
@@ -513,10 +532,20 @@ impl Sim {
                 crate::blocking::section(|| tl.set_backup_lsn(lsn));
                 Event::Observed(observe(&tl))
             }
-            Action::Save => {
+            Action::Save if self.rng.random_bool(0.5) => {
                 let ok = crate::blocking::section(|| tl.maybe_persist(true)).is_ok();
                 Event::Saved { ok }
             }
+            Action::Save => match crate::blocking::section(|| tl.begin_save(true)) {
+                // Its phases run as later steps.
+                Some(taken) => {
+                    self.nodes[i].live.as_mut().expect("a live timeline").save =
+                        Some(SaveInFlight::Taken(taken));
+                    self.note(format!("node {}: save taken", i + 1));
+                    return;
+                }
+                None => Event::Saved { ok: true },
+            },
             Action::Remove { horizon } => {
                 crate::blocking::section(|| tl.remove_segments_below(horizon))
                     .expect("removing segments");
@@ -590,6 +619,47 @@ impl Sim {
         }
     }
 
+    /// Runs the next phase of node `i`'s save in flight: the write (outside the acceptor
+    /// lock), or the finish (the manager hears of it then). A write skipped because a later
+    /// save reached the file is taken again, as [`Timeline::maybe_persist`] does.
+    fn advance_save(&mut self, i: usize) {
+        let live = self.nodes[i].live.as_mut().expect("a live timeline");
+        let tl = live.tl.clone();
+        let event = match live.save.take().expect("a save in flight") {
+            SaveInFlight::Taken(taken) => {
+                let r = crate::blocking::section(|| taken.write());
+                let what = match &r {
+                    Ok(Some(_)) => "written".to_string(),
+                    Ok(None) => "skipped: the file holds a later save".to_string(),
+                    Err(e) => format!("failed: {e}"),
+                };
+                self.note(format!("node {}: save {what}", i + 1));
+                let live = self.nodes[i].live.as_mut().expect("a live timeline");
+                match r {
+                    Ok(Some(w)) => {
+                        live.save = Some(SaveInFlight::Written(Some(w)));
+                        return;
+                    }
+                    Ok(None) => match crate::blocking::section(|| tl.begin_save(true)) {
+                        Some(again) => {
+                            live.save = Some(SaveInFlight::Taken(again));
+                            return;
+                        }
+                        None => Event::Saved { ok: true },
+                    },
+                    Err(_) => Event::Saved { ok: false },
+                }
+            }
+            SaveInFlight::Written(w) => {
+                crate::blocking::section(|| tl.finish_save(w));
+                self.note(format!("node {}: save finished", i + 1));
+                Event::Saved { ok: true }
+            }
+        };
+        drop(tl);
+        self.feed(i, event);
+    }
+
     /// Node `i`'s process dies (or its machine loses power), and it starts again.
     fn crash(&mut self, i: usize) {
         let pending_before = self.nodes[i].tls().pending_remote_deletions();
@@ -619,6 +689,22 @@ impl Sim {
             self.seed
         );
         if let Some(tl) = self.nodes[i].tls().get(&self.ttid) {
+            let (_, persisted) = tl.lsns();
+            let found = (
+                tl.positions().term,
+                persisted.commit_lsn,
+                persisted.backup_lsn,
+                persisted.peer_horizon_lsn,
+            );
+            let d = self.nodes[i].durable;
+            assert!(
+                found.0 >= d.0 && found.1 >= d.1 && found.2 >= d.2 && found.3 >= d.3,
+                "seed {}: node {} lost persisted state: (term, commit, backup, horizon) {found:?} \
+                 after the restart, {d:?} before it\n{}",
+                self.seed,
+                i + 1,
+                self.replay_hint()
+            );
             let flush = tl.positions().flush_lsn;
             assert!(
                 flush >= self.nodes[i].acked,
@@ -893,6 +979,7 @@ impl Sim {
             restored_from: None,
             acked: START,
             elected: 0,
+            durable: Default::default(),
         };
         self.attach(t, pulled);
         // The membership switches once the new node has caught up with the proposer.
@@ -1054,6 +1141,15 @@ impl Sim {
     /// The removal invariants (module docs), on every node.
     fn check(&mut self) {
         self.check_partials();
+        for node in &mut self.nodes {
+            let Some(live) = &node.live else { continue };
+            let (_, persisted) = live.tl.lsns();
+            let d = &mut node.durable;
+            d.0 = d.0.max(live.tl.positions().term);
+            d.1 = d.1.max(persisted.commit_lsn);
+            d.2 = d.2.max(persisted.backup_lsn);
+            d.3 = d.3.max(persisted.peer_horizon_lsn);
+        }
         for node in self.nodes.iter().filter(|n| n.evicted) {
             let e = node.tls().get_evicted(&self.ttid).unwrap_or_else(|| {
                 panic!(
