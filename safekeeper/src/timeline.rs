@@ -967,15 +967,17 @@ impl Timeline {
     /// after this one was taken ([`FileControlStore::begin_save`]).
     pub fn maybe_persist(&self, force: bool) -> Result<bool, SafeKeeperError> {
         let due = force || self.last_persist.lock().elapsed() >= CONTROL_FILE_SAVE_INTERVAL;
-        let wrote = match self.begin_save(due) {
-            Some(save) => {
-                let written = save.write().map_err(SafeKeeperError::from)?;
-                let wrote = written.is_some();
-                self.finish_save(written);
-                wrote
+        let mut wrote = false;
+        // A write skipped because a later save reached the file first (a vote, which saves
+        // none of the lazy values) is taken again from the state as it is now.
+        while let Some(save) = self.begin_save(due) {
+            let written = save.write().map_err(SafeKeeperError::from)?;
+            wrote = written.is_some();
+            self.finish_save(written);
+            if wrote {
+                break;
             }
-            None => false,
-        };
+        }
         if wrote || due {
             *self.last_persist.lock() = Instant::now();
         }
