@@ -7,7 +7,7 @@
 
 use std::io::{self, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::mpsc;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -169,30 +169,60 @@ fn append_frame(begin: Lsn, wal: &[u8], commit: Lsn) -> Vec<u8> {
     copy_data(&a)
 }
 
-/// Reads AppendResponses and reports `(connection, flush_lsn)` until the stream ends.
-fn read_replies(i: usize, mut r: BufReader<TcpStream>, tx: mpsc::Sender<(usize, u64)>) {
+/// The flush LSN of an AppendResponse (`None`: another message); an ErrorResponse is an error.
+fn flush_of(i: usize, tag: u8, body: &[u8]) -> anyhow::Result<Option<u64>> {
+    if tag == b'E' {
+        bail!("safekeeper {i}: {}", error_text(body));
+    }
+    if tag != b'd' || body.len() < 21 || body[0] != b'a' {
+        return Ok(None);
+    }
+    // 'a', generation (4), term (8), flush_lsn (8).
+    Ok(Some(u64::from_be_bytes(
+        body[13..21].try_into().expect("8 bytes"),
+    )))
+}
+
+/// Waits until a connection has bytes to read (buffered ones first) and returns it. Blocks in
+/// `poll(2)` on the caller's thread, as the echo baseline blocks in its `read`: no thread
+/// hand-off is added to what is measured.
+fn readable(readers: &[BufReader<TcpStream>]) -> anyhow::Result<usize> {
+    if let Some(i) = readers.iter().position(|r| !r.buffer().is_empty()) {
+        return Ok(i);
+    }
+    if readers.len() == 1 {
+        return Ok(0);
+    }
+    let mut fds: Vec<libc::pollfd> = readers
+        .iter()
+        .map(|r| libc::pollfd {
+            fd: r.get_ref().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
     loop {
-        let (tag, body) = match read_message(&mut r) {
-            Ok(m) => m,
-            Err(_) => return,
-        };
-        if tag != b'd' || body.len() < 21 || body[0] != b'a' {
-            if tag == b'E' {
-                eprintln!("raw client: safekeeper {i}: {}", error_text(&body));
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs for the whole call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 30_000) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
             }
-            continue;
+            return Err(e.into());
         }
-        // 'a', generation (4), term (8), flush_lsn (8).
-        let flush = u64::from_be_bytes(body[13..21].try_into().expect("8 bytes"));
-        if tx.send((i, flush)).is_err() {
-            return;
-        }
+        ensure!(n > 0, "no AppendResponse for 30 s");
+        return Ok(fds
+            .iter()
+            .position(|f| f.revents != 0)
+            .expect("poll reported a ready descriptor"));
     }
 }
 
 /// Latencies of `commits` commits of one ~`size`-byte record each, on a fresh timeline `t` of
 /// the safekeepers at `addrs` (all of them greeted and elected first; a commit needs a
-/// majority).
+/// majority). One thread sends each append to every safekeeper and reads the replies until a
+/// majority covers it.
 pub fn commit_latencies(
     addrs: &[SocketAddr],
     t: TenantTimelineId,
@@ -202,17 +232,15 @@ pub fn commit_latencies(
     ensure!(!addrs.is_empty(), "no safekeeper");
     ensure!(size > 100, "size {size} is below one record");
     let quorum = addrs.len() / 2 + 1;
-    let (tx, rx) = mpsc::channel();
     let mut conns = Vec::new();
-    for (i, &a) in addrs.iter().enumerate() {
+    let mut readers = Vec::new();
+    for &a in addrs {
         let (c, r) = elect(a, t)?;
-        let tx = tx.clone();
-        std::thread::Builder::new()
-            .name(format!("replies-{i}"))
-            .spawn(move || read_replies(i, r, tx))?;
+        r.get_ref()
+            .set_read_timeout(Some(Duration::from_secs(30)))?;
         conns.push(c);
+        readers.push(r);
     }
-    drop(tx);
     let mut generator = WalGenerator::new(SYSID, SEG_SIZE, START)?;
     let payload = vec![b'x'; size - crate::COMMIT_RECORD_OVERHEAD];
     let mut committed = START;
@@ -228,10 +256,12 @@ pub fn commit_latencies(
             c.write_all(&frame)?;
         }
         while flushed.iter().filter(|&&f| f >= end).count() < quorum {
-            let (i, f) = rx
-                .recv_timeout(Duration::from_secs(30))
-                .context("no AppendResponse for 30 s")?;
-            flushed[i] = flushed[i].max(f);
+            let i = readable(&readers)?;
+            let (tag, body) = read_message(&mut readers[i])
+                .with_context(|| format!("reading safekeeper {i}'s reply"))?;
+            if let Some(f) = flush_of(i, tag, &body)? {
+                flushed[i] = flushed[i].max(f);
+            }
         }
         out.push(t.elapsed());
         committed = Lsn(end);
