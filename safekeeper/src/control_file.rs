@@ -314,8 +314,17 @@ struct Writer {
     dir: PathBuf,
     /// Skip fsyncs (tests only).
     no_sync: bool,
-    /// The number of the save the file holds. Held while writing: one write at a time.
-    written: std::sync::Mutex<u64>,
+    /// Held while writing: one write at a time.
+    state: std::sync::Mutex<WriterState>,
+}
+
+#[derive(Debug, Default)]
+struct WriterState {
+    /// The number of the save the file holds.
+    written: u64,
+    /// No write any more: the timeline is deleted (its directory may be another timeline's
+    /// by now).
+    closed: bool,
 }
 
 impl Writer {
@@ -324,22 +333,31 @@ impl Writer {
             fs,
             dir,
             no_sync,
-            written: std::sync::Mutex::new(0),
+            state: std::sync::Mutex::default(),
         })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, WriterState> {
+        // A panic while holding it aborted a write, which `written` never counted.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Writes save `seq` durably unless the file holds a later one. Returns whether it wrote.
     fn write(&self, seq: u64, state: &TimelinePersistentState) -> Result<bool> {
-        // A panic while holding it aborted a write, which `written` never counted.
-        let mut written = self
-            .written
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if seq <= *written {
+        let mut w = self.lock();
+        if w.closed {
+            return Err(Error::Rejected(format!(
+                "the control file in {} is closed: the timeline was deleted",
+                self.dir.display()
+            )));
+        }
+        if seq <= w.written {
             return Ok(false);
         }
         write_durably(&self.fs, &self.dir, state, self.no_sync)?;
-        *written = seq;
+        w.written = seq;
         Ok(true)
     }
 }
@@ -469,6 +487,13 @@ impl FileControlStore {
         }
     }
 
+    /// Refuses every write from now on, after waiting for one in progress: the timeline is
+    /// deleted, and its directory may soon hold another timeline's control file (created again,
+    /// or pulled) that a save begun before the deletion must not overwrite.
+    pub fn close(&self) {
+        self.writer.lock().closed = true;
+    }
+
     /// Finishes a written save (under the caller's lock): it becomes the persisted state
     /// unless a later save did meanwhile. Returns whether it did.
     pub fn finish_save(&mut self, saved: WrittenSave) -> bool {
@@ -523,12 +548,17 @@ impl Deref for FileControlStore {
 impl ControlStore for FileControlStore {
     fn persist(&mut self, state: &TimelinePersistentState) -> Result<()> {
         // Numbered like a two-phase save, so that none begun earlier overwrites this one (the
-        // write waits for one in progress).
-        let saved = self.begin_save(state.clone()).write()?;
-        if let Some(saved) = saved {
-            self.finish_save(saved);
+        // write waits for one in progress). Its number is the highest issued, so it is never
+        // skipped; if it were, the state would not be on disk.
+        match self.begin_save(state.clone()).write()? {
+            Some(saved) => {
+                self.finish_save(saved);
+                Ok(())
+            }
+            None => Err(Error::Rejected(
+                "a control-file save was skipped under a later one".to_string(),
+            )),
         }
-        Ok(())
     }
 }
 

@@ -544,10 +544,20 @@ impl Timeline {
     }
 
     /// Marks the timeline deleted: waits for a `process_msg` in progress, then every later
-    /// message is refused and [`Timeline::deleted`] fires (connections end with an error).
+    /// message is refused and [`Timeline::deleted`] fires (connections end with an error); a
+    /// control-file save begun earlier and not yet written never writes.
     pub fn mark_deleted(&self) {
-        let _acceptor = self.lock();
+        let acceptor = self.lock();
         self.deleted.cancel();
+        // A save begun before this point must not write: the directory may hold another
+        // timeline's control file by then.
+        acceptor.control().close();
+    }
+
+    /// The persisted state as published (what the control file holds, once saves in flight
+    /// have finished).
+    pub(crate) fn persisted_state(&self) -> Arc<TimelinePersistentState> {
+        self.view().state
     }
 
     /// Fires when the timeline is deleted.
@@ -967,16 +977,13 @@ impl Timeline {
     /// after this one was taken ([`FileControlStore::begin_save`]).
     pub fn maybe_persist(&self, force: bool) -> Result<bool, SafeKeeperError> {
         let due = force || self.last_persist.lock().elapsed() >= CONTROL_FILE_SAVE_INTERVAL;
+        // A write is skipped only when a later save reached the file first; every save carries
+        // the lazy values as they were when it was taken, so that one holds these or newer.
         let mut wrote = false;
-        // A write skipped because a later save reached the file first (a vote, which saves
-        // none of the lazy values) is taken again from the state as it is now.
-        while let Some(save) = self.begin_save(due) {
+        if let Some(save) = self.begin_save(due) {
             let written = save.write().map_err(SafeKeeperError::from)?;
             wrote = written.is_some();
             self.finish_save(written);
-            if wrote {
-                break;
-            }
         }
         if wrote || due {
             *self.last_persist.lock() = Instant::now();
@@ -988,8 +995,9 @@ impl Timeline {
     /// acceptor lock. `None`: nothing to save (or the timeline is evicted).
     pub(crate) fn begin_save(&self, due: bool) -> Option<PendingSave> {
         let mut a = self.lock();
-        if self.evicted.load(Ordering::SeqCst) {
-            // The control file is the evicted timeline's (or its restored successor's) now.
+        if self.evicted.load(Ordering::SeqCst) || self.deleted.is_cancelled() {
+            // The control file is the evicted timeline's (or its restored successor's) now,
+            // or gone with the deleted timeline.
             return None;
         }
         let s = a.inmem_to_save(due)?;

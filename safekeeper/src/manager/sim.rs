@@ -57,6 +57,19 @@ const PARTIAL_TIMEOUT: Duration = Duration::from_secs(1);
 /// The simulated nodes' `--eviction-min-idle`.
 const EVICT_AFTER: Duration = Duration::from_secs(2);
 
+/// The control file in `dir` as the next start-up would read it (without the fsyncs a load
+/// does, which would make the simulated disk durable where the node did not).
+fn control_on_disk(fs: &Fs, dir: &Path) -> sk_core::state::TimelinePersistentState {
+    let path = dir.join(crate::control_file::CONTROL_FILE_NAME);
+    let f = fs
+        .open(&path, sk_core::storage::fs::OpenMode::Read)
+        .expect("opening the control file");
+    let mut bytes = vec![0; 1 << 20];
+    let n = sk_core::storage::fs::read_full_at(&*f, &mut bytes, 0).expect("reading it");
+    bytes.truncate(n);
+    crate::control_file::decode(&bytes, &path).expect("decoding it")
+}
+
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
@@ -119,6 +132,9 @@ struct Node {
     /// The highest term and persisted LSNs this node's published state called persisted (a
     /// restart must find at least them): `(term, commit, backup, peers' horizon)`.
     durable: (Term, Lsn, Lsn, Lsn),
+    /// A save in flight of a timeline object the node no longer runs (evicted, or deleted and
+    /// maybe created again since): it must never reach the file.
+    orphan: Option<(Arc<Timeline>, SaveInFlight)>,
 }
 
 impl Node {
@@ -171,6 +187,7 @@ impl Sim {
                     acked: START,
                     elected: 0,
                     durable: Default::default(),
+                    orphan: None,
                 }
             })
             .collect();
@@ -493,6 +510,10 @@ impl Sim {
     /// order).
     fn perform(&mut self) {
         let i = self.rng.random_range(0..self.nodes.len());
+        if self.nodes[i].orphan.is_some() && self.rng.random_bool(0.3) {
+            self.advance_orphan(i);
+            return;
+        }
         let Some(live) = self.nodes[i].live.as_mut() else {
             return;
         };
@@ -597,8 +618,10 @@ impl Sim {
                 self.feed(i, Event::Evicted { ok });
                 if ok {
                     self.stats.evictions += 1;
+                    if let Some(live) = self.nodes[i].live.take() {
+                        self.orphan_save(i, live);
+                    }
                     let node = &mut self.nodes[i];
-                    node.live = None;
                     node.evicted = true;
                     node.elected = 0;
                     if upto != EvictStep::All {
@@ -620,8 +643,7 @@ impl Sim {
     }
 
     /// Runs the next phase of node `i`'s save in flight: the write (outside the acceptor
-    /// lock), or the finish (the manager hears of it then). A write skipped because a later
-    /// save reached the file is taken again, as [`Timeline::maybe_persist`] does.
+    /// lock), or the finish (the manager hears of it then).
     fn advance_save(&mut self, i: usize) {
         let live = self.nodes[i].live.as_mut().expect("a live timeline");
         let tl = live.tl.clone();
@@ -640,13 +662,8 @@ impl Sim {
                         live.save = Some(SaveInFlight::Written(Some(w)));
                         return;
                     }
-                    Ok(None) => match crate::blocking::section(|| tl.begin_save(true)) {
-                        Some(again) => {
-                            live.save = Some(SaveInFlight::Taken(again));
-                            return;
-                        }
-                        None => Event::Saved { ok: true },
-                    },
+                    // A later save holds these values or newer.
+                    Ok(None) => Event::Saved { ok: true },
                     Err(_) => Event::Saved { ok: false },
                 }
             }
@@ -660,6 +677,35 @@ impl Sim {
         self.feed(i, event);
     }
 
+    /// Runs the next phase of node `i`'s orphaned save: its write must not happen (the
+    /// eviction's flag is a later save; a deleted timeline's writes are refused).
+    fn advance_orphan(&mut self, i: usize) {
+        let (tl, save) = self.nodes[i].orphan.take().expect("an orphaned save");
+        match save {
+            SaveInFlight::Taken(taken) => {
+                let r = crate::blocking::section(|| taken.write());
+                self.note(format!("node {}: orphaned save -> {:?}", i + 1, r.as_ref().map(|w| w.is_some())));
+                assert!(
+                    !matches!(r, Ok(Some(_))),
+                    "seed {}: node {}: a save begun before the timeline was evicted or deleted \
+                     was written\n{}",
+                    self.seed,
+                    i + 1,
+                    self.replay_hint()
+                );
+            }
+            SaveInFlight::Written(w) => crate::blocking::section(|| tl.finish_save(w)),
+        }
+    }
+
+    /// Moves node `i`'s save in flight, if any, to its orphan (its timeline object is gone
+    /// from the node).
+    fn orphan_save(&mut self, i: usize, live: Live) {
+        if let Some(save) = live.save {
+            self.nodes[i].orphan = Some((live.tl, save));
+        }
+    }
+
     /// Node `i`'s process dies (or its machine loses power), and it starts again.
     fn crash(&mut self, i: usize) {
         let pending_before = self.nodes[i].tls().pending_remote_deletions();
@@ -667,8 +713,10 @@ impl Sim {
         let loss_seed: u64 = self.rng.random();
         {
             let node = &mut self.nodes[i];
-            // The process is gone: no thread of it (a segment preparation) touches the disk.
+            // The process is gone: no thread of it (a segment preparation, a save) touches the
+            // disk.
             node.live = None;
+            node.orphan = None;
             node.evicted = false;
             node.timelines = None;
             if power {
@@ -980,6 +1028,7 @@ impl Sim {
             acked: START,
             elected: 0,
             durable: Default::default(),
+            orphan: None,
         };
         self.attach(t, pulled);
         // The membership switches once the new node has caught up with the proposer.
@@ -1008,6 +1057,7 @@ impl Sim {
                 live.holds.clear();
                 assert_eq!(live.core.step(Event::Deleted), vec![Action::Stop]);
                 assert_eq!(live.core.step(Event::Stopped), vec![Action::Finished]);
+                self.orphan_save(i, live);
             }
             assert!(
                 !self.nodes[i].tls().pending_remote_deletions().is_empty(),
@@ -1141,14 +1191,40 @@ impl Sim {
     /// The removal invariants (module docs), on every node.
     fn check(&mut self) {
         self.check_partials();
-        for node in &mut self.nodes {
+        let mut problem = None;
+        for (i, node) in self.nodes.iter_mut().enumerate() {
             let Some(live) = &node.live else { continue };
             let (_, persisted) = live.tl.lsns();
-            let d = &mut node.durable;
-            d.0 = d.0.max(live.tl.positions().term);
-            d.1 = d.1.max(persisted.commit_lsn);
-            d.2 = d.2.max(persisted.backup_lsn);
-            d.3 = d.3.max(persisted.peer_horizon_lsn);
+            let now = (
+                live.tl.positions().term,
+                persisted.commit_lsn,
+                persisted.backup_lsn,
+                persisted.peer_horizon_lsn,
+            );
+            let d = node.durable;
+            if !(now.0 >= d.0 && now.1 >= d.1 && now.2 >= d.2 && now.3 >= d.3) {
+                problem.get_or_insert(format!(
+                    "node {}'s persisted state went back: (term, commit, backup, horizon) \
+                     {now:?}, {d:?} before",
+                    i + 1
+                ));
+            }
+            node.durable = (d.0.max(now.0), d.1.max(now.1), d.2.max(now.2), d.3.max(now.3));
+            if live.save.is_none() {
+                // No save of its own in flight: the file holds what the node calls persisted.
+                let on_disk = control_on_disk(&node.fs, &live.tl.dir);
+                let state = live.tl.persisted_state();
+                if on_disk != *state {
+                    problem.get_or_insert(format!(
+                        "node {}'s control file is not its persisted state\n  file: \
+                         {on_disk:?}\n  node: {state:?}",
+                        i + 1
+                    ));
+                }
+            }
+        }
+        if let Some(p) = problem {
+            panic!("seed {}: {p}\n{}", self.seed, self.replay_hint());
         }
         for node in self.nodes.iter().filter(|n| n.evicted) {
             let e = node.tls().get_evicted(&self.ttid).unwrap_or_else(|| {
