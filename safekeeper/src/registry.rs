@@ -1595,6 +1595,59 @@ mod tests {
         assert!(fs.list_dir(Path::new(DATADIR)).unwrap().is_empty());
     }
 
+    /// A control-file save begun before the timeline was deleted (the manager's, taken under
+    /// the acceptor lock and written outside it) never writes: the directory holds the timeline
+    /// created again since, whose vote it would take back.
+    #[test]
+    fn a_save_begun_before_deletion_never_overwrites_the_timeline_created_again() {
+        let (_sim, fs, timelines) = node();
+        let g = greeting(1);
+        let vote = |tl: &Timeline, term: u64| {
+            tl.process_msg(&ProposerAcceptorMessage::VoteRequest(VoteRequest {
+                generation: Generation(0),
+                term: Term(term),
+            }))
+            .unwrap();
+        };
+        let old = timelines.get_or_create(&g, true).unwrap();
+        old.process_msg(&ProposerAcceptorMessage::Greeting(g.clone()))
+            .unwrap();
+        vote(&old, 5);
+        old.set_backup_lsn(sk_core::types::Lsn(16 << 20));
+        let save = old.begin_save(true).expect("a lazy value to save");
+
+        assert!(
+            timelines
+                .delete_timeline(&g.ttid(), crate::manager::DeleteScope::OnlyLocal)
+                .unwrap()
+        );
+        // The operator creates it again (a proposer may not: the tombstone).
+        let new = timelines
+            .create_explicit(&CreateTimeline {
+                ttid: g.ttid(),
+                server: ServerInfo {
+                    pg_version: g.pg_version,
+                    system_id: g.system_id,
+                    wal_seg_size: g.wal_seg_size,
+                },
+                start_lsn: sk_core::types::Lsn(16 << 20),
+                mconf: Configuration::default(),
+            })
+            .unwrap();
+        new.process_msg(&ProposerAcceptorMessage::Greeting(g.clone()))
+            .unwrap();
+        vote(&new, 2);
+        assert_eq!(new.positions().term, Term(2));
+
+        let e = save
+            .write()
+            .expect_err("a deleted timeline's save was written");
+        assert!(e.to_string().contains("deleted"), "{e}");
+        drop((old, new, timelines));
+        let again = GlobalTimelines::load_in(fs, Path::new(DATADIR), NodeId(1), false).unwrap();
+        assert_eq!(again.get(&g.ttid()).unwrap().positions().term, Term(2));
+    }
+
     /// A created timeline is durable where the next start looks for it, even after a power
     /// loss that forgets everything un-synced; leftovers of an interrupted creation are removed.
     #[test]

@@ -684,7 +684,11 @@ impl Sim {
         match save {
             SaveInFlight::Taken(taken) => {
                 let r = crate::blocking::section(|| taken.write());
-                self.note(format!("node {}: orphaned save -> {:?}", i + 1, r.as_ref().map(|w| w.is_some())));
+                self.note(format!(
+                    "node {}: orphaned save -> {:?}",
+                    i + 1,
+                    r.as_ref().map(|w| w.is_some())
+                ));
                 assert!(
                     !matches!(r, Ok(Some(_))),
                     "seed {}: node {}: a save begun before the timeline was evicted or deleted \
@@ -1209,7 +1213,12 @@ impl Sim {
                     i + 1
                 ));
             }
-            node.durable = (d.0.max(now.0), d.1.max(now.1), d.2.max(now.2), d.3.max(now.3));
+            node.durable = (
+                d.0.max(now.0),
+                d.1.max(now.1),
+                d.2.max(now.2),
+                d.3.max(now.3),
+            );
             if live.save.is_none() {
                 // No save of its own in flight: the file holds what the node calls persisted.
                 let on_disk = control_on_disk(&node.fs, &live.tl.dir);
