@@ -556,6 +556,7 @@ impl Timeline {
 
     /// The persisted state as published (what the control file holds, once saves in flight
     /// have finished).
+    #[cfg(test)]
     pub(crate) fn persisted_state(&self) -> Arc<TimelinePersistentState> {
         self.view().state
     }
