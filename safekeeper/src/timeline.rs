@@ -571,6 +571,14 @@ impl Timeline {
     /// Blocking (a control-file write and fsync).
     pub fn set_membership(&self, mconf: Configuration) -> Result<bool, SafeKeeperError> {
         let mut a = self.lock();
+        if self.deleted.is_cancelled() {
+            // Its control file is closed (a save would fail): refuse cleanly instead.
+            return Err(storage::Error::Rejected(format!(
+                "timeline {} was deleted on this safekeeper",
+                self.ttid
+            ))
+            .into());
+        }
         self.refuse_if_evicted()?;
         let r = a.set_membership(mconf);
         self.publish(&a);

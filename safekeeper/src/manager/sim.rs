@@ -510,7 +510,12 @@ impl Sim {
     /// order).
     fn perform(&mut self) {
         let i = self.rng.random_range(0..self.nodes.len());
-        if self.nodes[i].orphan.is_some() && self.rng.random_bool(0.3) {
+        // An orphan runs once the timeline is live on the node again (created again, pulled or
+        // restored): the moment its write would do harm.
+        if self.nodes[i].orphan.is_some()
+            && self.nodes[i].live.is_some()
+            && self.rng.random_bool(0.5)
+        {
             self.advance_orphan(i);
             return;
         }
@@ -649,6 +654,7 @@ impl Sim {
         let tl = live.tl.clone();
         let event = match live.save.take().expect("a save in flight") {
             SaveInFlight::Taken(taken) => {
+                self.stats.orphans_run += 1;
                 let r = crate::blocking::section(|| taken.write());
                 let what = match &r {
                     Ok(Some(_)) => "written".to_string(),
@@ -683,6 +689,7 @@ impl Sim {
         let (tl, save) = self.nodes[i].orphan.take().expect("an orphaned save");
         match save {
             SaveInFlight::Taken(taken) => {
+                self.stats.orphans_run += 1;
                 let r = crate::blocking::section(|| taken.write());
                 self.note(format!(
                     "node {}: orphaned save -> {:?}",
@@ -1484,6 +1491,8 @@ struct Stats {
     terms: u64,
     replacements: u64,
     pulls: PullCounts,
+    /// Saves begun before a deletion or eviction, run against the timeline live again.
+    orphans_run: u64,
 }
 
 impl std::ops::AddAssign for Stats {
@@ -1496,6 +1505,7 @@ impl std::ops::AddAssign for Stats {
         self.terms += o.terms;
         self.replacements += o.replacements;
         self.pulls += o.pulls;
+        self.orphans_run += o.orphans_run;
     }
 }
 
@@ -1553,6 +1563,11 @@ fn run_seeds(n: usize, default: u64) {
             && total.pulls.refused > 0
             && total.pulls.puller_crashes > 0,
         "pulls ran too rarely: {total:?}"
+    );
+    assert!(
+        total.orphans_run > seeds / 100,
+        "saves begun before a deletion ran too rarely against the timeline created again: \
+         {total:?}"
     );
     if n > 1 {
         assert!(
