@@ -654,7 +654,6 @@ impl Sim {
         let tl = live.tl.clone();
         let event = match live.save.take().expect("a save in flight") {
             SaveInFlight::Taken(taken) => {
-                self.stats.orphans_run += 1;
                 let r = crate::blocking::section(|| taken.write());
                 let what = match &r {
                     Ok(Some(_)) => "written".to_string(),
