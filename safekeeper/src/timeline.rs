@@ -470,13 +470,7 @@ impl Timeline {
             return Err(storage::Error::NoSpace(why).into());
         }
         let mut acceptor = self.lock();
-        if self.deleted.is_cancelled() {
-            return Err(storage::Error::Rejected(format!(
-                "timeline {} was deleted on this safekeeper",
-                self.ttid
-            ))
-            .into());
-        }
+        self.refuse_if_deleted()?;
         self.refuse_if_evicted()?;
         if recovery && self.proposers.load(Ordering::SeqCst) > 0 {
             return Err(storage::Error::Rejected(
@@ -571,18 +565,23 @@ impl Timeline {
     /// Blocking (a control-file write and fsync).
     pub fn set_membership(&self, mconf: Configuration) -> Result<bool, SafeKeeperError> {
         let mut a = self.lock();
-        if self.deleted.is_cancelled() {
-            // Its control file is closed (a save would fail): refuse cleanly instead.
-            return Err(storage::Error::Rejected(format!(
-                "timeline {} was deleted on this safekeeper",
-                self.ttid
-            ))
-            .into());
-        }
+        // Its control file is closed (a save would fail): refused cleanly instead.
+        self.refuse_if_deleted()?;
         self.refuse_if_evicted()?;
         let r = a.set_membership(mconf);
         self.publish(&a);
         r
+    }
+
+    /// Refused once deleted (read under the acceptor lock).
+    fn refuse_if_deleted(&self) -> Result<(), storage::Error> {
+        if self.deleted.is_cancelled() {
+            return Err(storage::Error::Rejected(format!(
+                "timeline {} was deleted on this safekeeper",
+                self.ttid
+            )));
+        }
+        Ok(())
     }
 
     /// Refused once evicted (read under the acceptor lock).

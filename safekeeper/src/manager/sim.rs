@@ -57,17 +57,32 @@ const PARTIAL_TIMEOUT: Duration = Duration::from_secs(1);
 /// The simulated nodes' `--eviction-min-idle`.
 const EVICT_AFTER: Duration = Duration::from_secs(2);
 
-/// The control file in `dir` as the next start-up would read it (without the fsyncs a load
-/// does, which would make the simulated disk durable where the node did not).
+/// The control file in `dir` as the next start-up would read it (loaded without the fsyncs a
+/// load does, which would make the simulated disk durable where the node did not).
 fn control_on_disk(fs: &Fs, dir: &Path) -> sk_core::state::TimelinePersistentState {
-    let path = dir.join(crate::control_file::CONTROL_FILE_NAME);
-    let f = fs
-        .open(&path, sk_core::storage::fs::OpenMode::Read)
-        .expect("opening the control file");
-    let mut bytes = vec![0; 1 << 20];
-    let n = sk_core::storage::fs::read_full_at(&*f, &mut bytes, 0).expect("reading it");
-    bytes.truncate(n);
-    crate::control_file::decode(&bytes, &path).expect("decoding it")
+    let no_sync = true;
+    (*crate::control_file::FileControlStore::load_in(fs.clone(), dir, no_sync)
+        .expect("reading the control file"))
+    .clone()
+}
+
+/// What a node's published state calls persisted and a restart must find again:
+/// `(term, commit, backup, peers' horizon)`.
+type Marks = (Term, Lsn, Lsn, Lsn);
+
+fn marks_of(tl: &Timeline) -> Marks {
+    let (_, persisted) = tl.lsns();
+    (
+        tl.positions().term,
+        persisted.commit_lsn,
+        persisted.backup_lsn,
+        persisted.peer_horizon_lsn,
+    )
+}
+
+/// Whether `now` is at least `before` in every mark.
+fn covers(now: Marks, before: Marks) -> bool {
+    now.0 >= before.0 && now.1 >= before.1 && now.2 >= before.2 && now.3 >= before.3
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -129,9 +144,9 @@ struct Node {
     acked: Lsn,
     /// The term the proposer last elected this node in (0: never, or since its restart).
     elected: u64,
-    /// The highest term and persisted LSNs this node's published state called persisted (a
-    /// restart must find at least them): `(term, commit, backup, peers' horizon)`.
-    durable: (Term, Lsn, Lsn, Lsn),
+    /// The highest of each mark this node's published state called persisted (a restart must
+    /// find at least them).
+    durable: Marks,
     /// A save in flight of a timeline object the node no longer runs (evicted, or deleted and
     /// maybe created again since): it must never reach the file.
     orphan: Option<(Arc<Timeline>, SaveInFlight)>,
@@ -747,16 +762,10 @@ impl Sim {
             self.seed
         );
         if let Some(tl) = self.nodes[i].tls().get(&self.ttid) {
-            let (_, persisted) = tl.lsns();
-            let found = (
-                tl.positions().term,
-                persisted.commit_lsn,
-                persisted.backup_lsn,
-                persisted.peer_horizon_lsn,
-            );
+            let found = marks_of(&tl);
             let d = self.nodes[i].durable;
             assert!(
-                found.0 >= d.0 && found.1 >= d.1 && found.2 >= d.2 && found.3 >= d.3,
+                covers(found, d),
                 "seed {}: node {} lost persisted state: (term, commit, backup, horizon) {found:?} \
                  after the restart, {d:?} before it\n{}",
                 self.seed,
@@ -1204,15 +1213,9 @@ impl Sim {
         let mut problem = None;
         for (i, node) in self.nodes.iter_mut().enumerate() {
             let Some(live) = &node.live else { continue };
-            let (_, persisted) = live.tl.lsns();
-            let now = (
-                live.tl.positions().term,
-                persisted.commit_lsn,
-                persisted.backup_lsn,
-                persisted.peer_horizon_lsn,
-            );
+            let now = marks_of(&live.tl);
             let d = node.durable;
-            if !(now.0 >= d.0 && now.1 >= d.1 && now.2 >= d.2 && now.3 >= d.3) {
+            if !covers(now, d) {
                 problem.get_or_insert(format!(
                     "node {}'s persisted state went back: (term, commit, backup, horizon) \
                      {now:?}, {d:?} before",
