@@ -1196,9 +1196,19 @@ fn write_flushing_every(
 /// them; `check` gets the bytes allocated to the segment file and where WAL ends in it; then
 /// every byte must be recovered intact (zeros are only ever written past the end of WAL).
 fn zero_ahead_case(records: usize, per_flush: usize, check: impl FnOnce(u64, u64)) {
+    zero_ahead_case_with(opts(), records, per_flush, check)
+}
+
+/// [`zero_ahead_case`] with the store's options `o`.
+fn zero_ahead_case_with(
+    o: WalFileOptions,
+    records: usize,
+    per_flush: usize,
+    check: impl FnOnce(u64, u64),
+) {
     let dir = tempfile::tempdir().unwrap();
     let start = Lsn(SEG + 8192);
-    let mut s = fresh(dir.path(), start);
+    let mut s = fresh_with(dir.path(), start, o);
     let (bytes, pos) = gen_wal(start, &vec![8000; records]);
     let end = write_flushing_every(&mut s, start, &bytes, &pos, per_flush);
     // Blocks the background fill claimed are its to write, possibly still in flight: measured
@@ -1347,6 +1357,22 @@ fn the_background_fill_never_writes_over_wal_while_the_writer_overtakes_it() {
     );
     drop(s);
     assert_recovers(dir.path(), pos[0].end, o, start, &bytes);
+}
+
+/// Zeros ahead only spare a later fdatasync its block allocation: without fsyncs they would
+/// double what is written (and stall every 32nd 8 KiB commit for the next 256 KiB of zeros).
+#[test]
+fn without_fsyncs_no_zeros_are_written_ahead() {
+    let o = WalFileOptions {
+        no_sync: true,
+        ..opts()
+    };
+    zero_ahead_case_with(o, 40, 1, |alloc, written| {
+        assert!(
+            alloc < written + ZERO_AHEAD / 2,
+            "no zeros ahead under no_sync: {alloc} allocated, WAL ends at {written}"
+        );
+    });
 }
 
 #[test]
