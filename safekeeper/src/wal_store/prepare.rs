@@ -210,7 +210,8 @@ impl Preparer {
     /// Segment `segno` was just opened: if the previous segment filled slower than the rate
     /// threshold, starts preparing the next one (unless the node's pool has one ready: its
     /// zeros were written while the disk was quiet, this preparation's would be written under
-    /// the commits of this very stream).
+    /// the commits of this very stream). Never under `no_sync`: written blocks only spare an
+    /// `fdatasync` its metadata, and without one the zeros would only double what is written.
     pub(super) fn segment_opened(&mut self, segno: u64) {
         let now = self.background.0.now();
         let slow = self.opened_at.is_some_and(|(prev, at)| {
@@ -222,18 +223,13 @@ impl Preparer {
             .pool
             .as_ref()
             .is_some_and(|p| p.ready_for(self.seg_size));
-        if slow && self.task.is_none() && !pooled {
+        if slow && self.task.is_none() && !pooled && !self.no_sync {
             let fs = self.fs.clone();
             let path = self.dir.join(PREPARED_SEGMENT_NAME);
-            let (seg_size, no_sync) = (self.seg_size, self.no_sync);
-            // Under `--no-sync` nothing is written back on purpose.
-            let zeros = if no_sync {
-                Zeros::Bulk
-            } else {
-                Zeros::Paced(self.background.0.write_back_pause())
-            };
+            let seg_size = self.seg_size;
+            let zeros = Zeros::Paced(self.background.0.write_back_pause());
             self.task = self.background.0.spawn(Box::new(move || {
-                write_blank_segment(&fs, &path, seg_size, Some(zeros), no_sync).map(drop)
+                write_blank_segment(&fs, &path, seg_size, Some(zeros), false).map(drop)
             }));
         }
     }
