@@ -28,7 +28,7 @@ from fixtures.daemon import (
     walproposer,
 )
 from fixtures.pgwire import connect, query, read_message
-from fixtures.tools import before, receivewal, require, require_pg_tool
+from fixtures.tools import before, receivewal, require, require_pg_tool, tmpfs
 
 SEG = 16 << 20
 
@@ -304,7 +304,16 @@ def test_segments_from_the_node_pool_serve_real_readers(safekeeper_factory, tmp_
     """The node's pool of zero-filled segments (`--prepared-segments`): filled while the node
     is quiet, a timeline's new segments come from it, real pg_receivewal gets byte-identical
     segments and real pg_waldump decodes them; the pool refills once the node is quiet again,
-    and a restart keeps its whole segments and drops a half-written one."""
+    and a restart keeps its whole segments and drops a half-written one.
+
+    The data directory is a real 256 MiB tmpfs: the pool writes nothing that would take its
+    file system past 90 %, so on the host's disk the test would pass or fail with how full that
+    disk is (a CI machine at 90 % once left the pool unrefilled)."""
+    with tmpfs(tmp_path / "sk1", "256m"):
+        pool_serves_readers(safekeeper_factory, tmp_path)
+
+
+def pool_serves_readers(safekeeper_factory, tmp_path):
     sk = safekeeper_factory(extra_args=["--prepared-segments", "2"]).start()
     pool = sk.datadir / "segment_pool"
 
@@ -343,3 +352,4 @@ def test_segments_from_the_node_pool_serve_real_readers(safekeeper_factory, tmp_
     assert ready() == 2
     assert all(p.stat().st_size == SEG for p in pool.iterdir())
     assert not (pool / "prepared.tmp").exists() and not (pool / "prepared-99").exists()
+    assert sk.stop() == 0
