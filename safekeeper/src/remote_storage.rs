@@ -6,10 +6,11 @@
 //!
 //! Objects are laid out as `<prefix>/<tenant_id>/<timeline_id>/<segment name>`. Several
 //! safekeepers hold the same segment: each one stores it with a conditional create
-//! (`PutMode::Create`, create-if-absent), so a segment is stored once; a node that finds it
-//! already stored downloads it and verifies size and CRC-32C against its own copy instead of
-//! overwriting it (no election between nodes). A mismatch is an error and the segment is never
-//! counted as backed up here.
+//! (`PutMode::Create`, create-if-absent, after a HEAD that finds most of them stored), so a
+//! segment is stored once; a node that finds it already stored downloads it and compares size
+//! and bytes with its own copy instead of overwriting it (no election between nodes). A
+//! mismatch is an error (naming both copies' CRC-32C) and the segment is never counted as
+//! backed up here.
 //!
 //! With `file://`, an object is fsynced (file and directories) before it counts as stored:
 //! `object_store`'s local store renames its objects in without syncing them.
@@ -427,7 +428,18 @@ impl RemoteStorage {
     /// Stores `data` at `path` unless an object is there already (conditional create):
     /// [`Outcome::Uploaded`] if this call stored it, [`Outcome::Verified`] (still to be
     /// checked by the caller) if it was there.
+    ///
+    /// It looks first (a HEAD request): a conditional create of a stored object still sends the
+    /// whole body (`object_store`'s file store writes it to a staging file before the link
+    /// fails, and S3 takes it in before answering 412), and every node but the first finds the
+    /// object stored. The create stays conditional for a node that looked before another
+    /// stored it.
     async fn create_once(&self, path: &ObjPath, data: &Bytes) -> anyhow::Result<Outcome> {
+        match self.store.head(path).await {
+            Ok(_) => return Ok(Outcome::Verified),
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(e).with_context(|| format!("looking up {path}")),
+        }
         let opts = PutOptions {
             mode: PutMode::Create,
             ..PutOptions::default()

@@ -67,6 +67,133 @@ async fn a_segment_is_stored_once_and_a_second_node_verifies_instead_of_overwrit
     assert!(a.read_segment(&ttid(), 4, SEG).await.unwrap().is_none());
 }
 
+/// A real `file://` store that counts the writes (puts, conditional creates included) sent
+/// through it.
+#[derive(Debug)]
+struct CountedPuts {
+    inner: object_store::local::LocalFileSystem,
+    puts: std::sync::atomic::AtomicUsize,
+}
+
+impl std::fmt::Display for CountedPuts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CountedPuts({})", self.inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl object_store::ObjectStore for CountedPuts {
+    async fn put_opts(
+        &self,
+        location: &object_store::path::Path,
+        payload: object_store::PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        self.puts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &object_store::path::Path,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        self.puts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &object_store::path::Path,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+
+    async fn delete(&self, location: &object_store::path::Path) -> object_store::Result<()> {
+        self.inner.delete(location).await
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&object_store::path::Path>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&object_store::path::Path>,
+    ) -> object_store::Result<object_store::ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy(
+        &self,
+        from: &object_store::path::Path,
+        to: &object_store::path::Path,
+    ) -> object_store::Result<()> {
+        self.puts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.copy(from, to).await
+    }
+
+    async fn copy_if_not_exists(
+        &self,
+        from: &object_store::path::Path,
+        to: &object_store::path::Path,
+    ) -> object_store::Result<()> {
+        self.puts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.copy_if_not_exists(from, to).await
+    }
+}
+
+/// A node that finds a segment or partial object stored sends none of it to the store: a
+/// conditional create of a stored object would send (and the file store write) the whole body
+/// before failing, once per segment on every node but the first.
+#[tokio::test]
+async fn a_node_that_finds_the_object_stored_sends_none_of_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let counted = Arc::new(CountedPuts {
+        inner: object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap(),
+        puts: Default::default(),
+    });
+    let puts = || counted.puts.load(std::sync::atomic::Ordering::Relaxed);
+    let url = format!("file://{}", dir.path().display());
+    let (a, b) = (
+        RemoteStorage::with_store(counted.clone(), &url),
+        RemoteStorage::with_store(counted.clone(), &url),
+    );
+    let data = Bytes::from(vec![7u8; SEG as usize]);
+    let out = a.backup_segment(&ttid(), 3, data.clone(), 0, false).await;
+    assert_eq!((out.unwrap(), puts()), (Outcome::Uploaded, 1));
+    let out = b.backup_segment(&ttid(), 3, data.clone(), 0, false).await;
+    assert_eq!((out.unwrap(), puts()), (Outcome::Verified, 1));
+    // Still compared: a different copy is an error, and nothing is written either.
+    let mut other = data.to_vec();
+    other[5] = 8;
+    let err = b
+        .backup_segment(&ttid(), 3, Bytes::from(other), 0, false)
+        .await
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("differs"), "{err:#}");
+    assert_eq!(std::fs::read(object_file(dir.path(), 3)).unwrap(), data);
+    assert_eq!(puts(), 1);
+
+    let upto = Lsn(4 * SEG + 4096);
+    let part = data.slice(..4096);
+    let out = a
+        .backup_partial(&ttid(), SEG, 2, upto, part.clone(), 0)
+        .await;
+    assert_eq!((out.unwrap(), puts()), (Outcome::Uploaded, 2));
+    let out = b.backup_partial(&ttid(), SEG, 2, upto, part, 0).await;
+    assert_eq!((out.unwrap(), puts()), (Outcome::Verified, 2));
+    let out = b
+        .backup_partial(&ttid(), SEG, 2, upto, Bytes::from(vec![1u8; 4096]), 0)
+        .await;
+    assert!(out.is_err());
+    assert_eq!(puts(), 2);
+}
+
 #[test]
 fn bad_urls_are_refused_naming_the_url() {
     for url in ["http://x", "file://relative/path", "s3://"] {
