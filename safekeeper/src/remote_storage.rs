@@ -7,8 +7,8 @@
 //! Objects are laid out as `<prefix>/<tenant_id>/<timeline_id>/<segment name>`. Several
 //! safekeepers hold the same segment: each one stores it with a conditional create
 //! (`PutMode::Create`, create-if-absent, after a HEAD that finds most of them stored), so a
-//! segment is stored once; a node that finds it already stored downloads it and compares size
-//! and bytes with its own copy instead of overwriting it (no election between nodes). A
+//! segment is stored once; a node that finds it already stored compares its size and bytes,
+//! as they stream in, with its own copy instead of overwriting it (no election between nodes). A
 //! mismatch is an error (naming both copies' CRC-32C) and the segment is never counted as
 //! backed up here.
 //!
@@ -322,12 +322,8 @@ impl RemoteStorage {
         } else {
             self.create_once(&path, &data).await?
         };
-        if outcome == Outcome::Verified {
-            let stored = self
-                .read_segment(ttid, segno, seg_size)
-                .await?
-                .with_context(|| format!("{path} vanished while being verified"))?;
-            verify_stored(&path, &stored, &data, valid_from)?;
+        if outcome == Outcome::Verified && !self.verify_object(&path, &data, valid_from).await? {
+            bail!("{path} vanished while being verified");
         }
         self.sync_local(&path).await?;
         Ok(outcome)
@@ -363,14 +359,11 @@ impl RemoteStorage {
         let segno = upto.segment_number(seg_size);
         let path = self.partial_object(ttid, segno, seg_size, term, upto);
         let outcome = self.create_once(&path, &data).await?;
-        if outcome == Outcome::Verified {
-            match self.read_object(&path).await? {
-                Some(stored) => verify_stored(&path, &stored, &data, valid_from)?,
-                // Removed since the create found it: only a node holding more of this WAL in
-                // the store (a longer partial object, or the complete segment) removes one, so
-                // it is stored; creating it again would bring back a superseded object.
-                None => return Ok(Outcome::Verified),
-            }
+        // Removed since the create found it: only a node holding more of this WAL in the store
+        // (a longer partial object, or the complete segment) removes one, so it is stored;
+        // creating it again would bring back a superseded object.
+        if outcome == Outcome::Verified && !self.verify_object(&path, &data, valid_from).await? {
+            return Ok(Outcome::Verified);
         }
         self.sync_local(&path).await?;
         Ok(outcome)
@@ -402,6 +395,43 @@ impl RemoteStorage {
             )),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(e).with_context(|| format!("reading {path}")),
+        }
+    }
+
+    /// Compares the object at `path` with `local` from byte `valid_from` on, chunk by chunk as
+    /// it streams in, holding no copy of it: `Ok(false)` if it is not stored, an error if it
+    /// differs (read again whole then, for [`verify_stored`]'s error naming both copies'
+    /// checksums).
+    async fn verify_object(
+        &self,
+        path: &ObjPath,
+        local: &[u8],
+        valid_from: usize,
+    ) -> anyhow::Result<bool> {
+        let got = match self.store.get(path).await {
+            Ok(got) => got,
+            Err(object_store::Error::NotFound { .. }) => return Ok(false),
+            Err(e) => return Err(e).with_context(|| format!("reading {path}")),
+        };
+        let mut same = got.meta.size == local.len() as u64;
+        let mut off = 0;
+        let mut chunks = got.into_stream();
+        while same && let Some(chunk) = chunks.next().await {
+            let chunk = chunk.with_context(|| format!("reading {path}"))?;
+            let end = off + chunk.len();
+            same = end <= local.len() && {
+                let from = valid_from.clamp(off, end);
+                chunk[from - off..] == local[from..end]
+            };
+            off = end;
+        }
+        if same && off == local.len() {
+            return Ok(true);
+        }
+        drop(chunks);
+        match self.read_object(path).await? {
+            Some(stored) => verify_stored(path, &stored, local, valid_from).map(|()| true),
+            None => Ok(false),
         }
     }
 

@@ -67,6 +67,36 @@ async fn a_segment_is_stored_once_and_a_second_node_verifies_instead_of_overwrit
     assert!(a.read_segment(&ttid(), 4, SEG).await.unwrap().is_none());
 }
 
+/// Verification compares the stored object as it streams in, chunk by chunk: it skips exactly
+/// the bytes before the node's WAL start (`valid_from`) wherever that falls among the chunks,
+/// and a difference anywhere from it on is an error naming both copies' checksums.
+#[tokio::test]
+async fn verification_compares_exactly_the_bytes_from_the_nodes_wal_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = store(dir.path());
+    let t = ttid();
+    let data: Vec<u8> = (0..SEG).map(|i| (i * 7 % 251) as u8).collect();
+    let out = a.backup_segment(&t, 3, Bytes::from(data.clone()), 0, false);
+    assert_eq!(out.await.unwrap(), Outcome::Uploaded);
+    for from in [1, 4095, 4096, 8191, 8192, 8193, 65537, SEG as usize - 1] {
+        let mut before = data.clone();
+        before[from - 1] ^= 0xff;
+        let out = a.backup_segment(&t, 3, Bytes::from(before), from, true);
+        assert_eq!(out.await.unwrap(), Outcome::Verified, "from {from}");
+        let mut at = data.clone();
+        at[from] ^= 0xff;
+        let out = a.backup_segment(&t, 3, Bytes::from(at), from, true);
+        let err = format!("{:#}", out.await.unwrap_err());
+        assert!(
+            err.contains("differs") && err.contains("CRC-32C"),
+            "from {from}: {err}"
+        );
+    }
+    let out = a.backup_segment(&t, 3, Bytes::from(data[1..].to_vec()), 0, true);
+    let err = format!("{:#}", out.await.unwrap_err());
+    assert!(err.contains("bytes, the local segment has"), "{err}");
+}
+
 /// A real `file://` store that counts the writes (puts, conditional creates included) sent
 /// through it.
 #[derive(Debug)]
