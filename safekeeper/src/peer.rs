@@ -232,12 +232,13 @@ fn client_tls(path: &Path) -> anyhow::Result<rustls::ClientConfig> {
     if roots.is_empty() {
         anyhow::bail!("--peer-ca {}: no certificate in the file", path.display());
     }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    Ok(rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .context("TLS protocol versions")?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
+    Ok(
+        rustls::ClientConfig::builder_with_provider(crate::tls::crypto_provider())
+            .with_safe_default_protocol_versions()
+            .context("TLS protocol versions")?
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
 }
 
 fn server_name(host: &str) -> Result<ServerName<'static>, String> {

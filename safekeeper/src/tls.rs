@@ -60,6 +60,18 @@ impl TlsConfig {
     }
 }
 
+/// The crypto provider of the daemon's TLS, server and peer client alike: rustls over *ring*
+/// (as jsonwebtoken uses; no C build of aws-lc). rustls 0.23.48 deprecates it because *ring*
+/// has no post-quantum key exchange, so connections agree on X25519 or a NIST curve (README,
+/// Security).
+#[expect(
+    deprecated,
+    reason = "ring has no post-quantum key exchange; kept (README)"
+)]
+pub fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
 fn acceptor(cert_path: &Path, key_path: &Path) -> anyhow::Result<TlsAcceptor> {
     let pem = read_secret_file("--tls-cert", cert_path)?;
     let certs = CertificateDer::pem_slice_iter(&pem)
@@ -78,19 +90,17 @@ fn acceptor(cert_path: &Path, key_path: &Path) -> anyhow::Result<TlsAcceptor> {
             key_path.display()
         )
     })?;
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .context("TLS protocol versions")?
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .with_context(|| {
-        format!(
-            "--tls-cert {} and --tls-key {} do not make a usable certificate",
-            cert_path.display(),
-            key_path.display()
-        )
-    })?;
+    let config = rustls::ServerConfig::builder_with_provider(crypto_provider())
+        .with_safe_default_protocol_versions()
+        .context("TLS protocol versions")?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .with_context(|| {
+            format!(
+                "--tls-cert {} and --tls-key {} do not make a usable certificate",
+                cert_path.display(),
+                key_path.display()
+            )
+        })?;
     Ok(TlsAcceptor::from(Arc::new(config)))
 }

@@ -46,6 +46,12 @@ impl ClientTls {
     /// The configuration of `mode`: `None` for `disable`; `verify-full` needs `root_cert` (PEM,
     /// one or more CA certificates), and an unreadable or empty file is an error naming it.
     pub fn new(mode: SslMode, root_cert: Option<&Path>) -> anyhow::Result<Option<ClientTls>> {
+        // rustls 0.23.48 deprecates *ring*'s provider (no post-quantum key exchange); kept, as
+        // the daemon keeps it (no C build of aws-lc; README, Security).
+        #[expect(
+            deprecated,
+            reason = "ring has no post-quantum key exchange; kept (README)"
+        )]
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
