@@ -57,6 +57,38 @@ pub const DEFAULT_REMOTE_READ_BUDGET: u64 = 64 << 20;
 /// The largest range one remote read asks for (and a reader buffers).
 pub const REMOTE_READ_RANGE: u64 = 1 << 20;
 
+/// How much of a local segment verification reads at a time.
+pub const VERIFY_BLOCK: u64 = 1 << 20;
+
+/// A node's own copy of a segment, read as the store needs it: the timeline's file in the
+/// daemon, bytes in memory for a partial object.
+pub trait LocalSegment: Sync {
+    /// Fills `buf` with the copy's bytes from `offset` on and hands it back.
+    fn read_at(
+        &self,
+        offset: u64,
+        buf: Vec<u8>,
+    ) -> impl std::future::Future<Output = anyhow::Result<Vec<u8>>> + Send;
+}
+
+impl LocalSegment for Bytes {
+    async fn read_at(&self, offset: u64, mut buf: Vec<u8>) -> anyhow::Result<Vec<u8>> {
+        let from = usize::try_from(offset).unwrap_or(usize::MAX);
+        let bytes = from
+            .checked_add(buf.len())
+            .and_then(|to| self.get(from..to))
+            .with_context(|| {
+                format!(
+                    "reading {} bytes at {offset} of a {}-byte copy",
+                    buf.len(),
+                    self.len()
+                )
+            })?;
+        buf.copy_from_slice(bytes);
+        Ok(buf)
+    }
+}
+
 /// How a segment came to be backed up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -303,30 +335,47 @@ impl RemoteStorage {
         self.read_object(&self.object(ttid, segno, seg_size)).await
     }
 
-    /// Stores segment `segno` of `ttid` (its full image `data`) unless it is already stored, in
-    /// which case the stored object must equal `data` from byte `valid_from` on (the bytes
-    /// before a node's WAL start differ between nodes) and have the same size. `known_stored`
-    /// skips the upload attempt (the remote listing showed the object).
+    /// Stores segment `segno` of `ttid` (`seg_size` bytes of `local`) unless it is already
+    /// stored, in which case the stored object must equal `local` from byte `valid_from` on (the
+    /// bytes before a node's WAL start differ between nodes) and have the same size.
+    /// `known_stored` skips looking (the remote listing showed the object).
+    ///
+    /// It looks first (a HEAD request): a conditional create of a stored object still sends the
+    /// whole body (`object_store`'s file store writes it to a staging file before the link
+    /// fails, and S3 takes it in before answering 412), and every node but the first finds the
+    /// object stored. Verification then reads the local copy a block at a time; only an upload
+    /// reads it whole. The create stays conditional for a node that looked before another
+    /// stored it.
     pub async fn backup_segment(
         &self,
         ttid: &TenantTimelineId,
         segno: u64,
-        data: Bytes,
+        seg_size: u64,
+        local: &impl LocalSegment,
         valid_from: usize,
         known_stored: bool,
     ) -> anyhow::Result<Outcome> {
-        let seg_size = data.len() as u64;
         let path = self.object(ttid, segno, seg_size);
-        let outcome = if known_stored {
+        let outcome = if known_stored || self.is_stored(&path).await? {
             Outcome::Verified
         } else {
-            self.create_once(&path, &data).await?
+            let data = local.read_at(0, vec![0; seg_size as usize]).await?;
+            self.create_once(&path, &Bytes::from(data)).await?
         };
-        if outcome == Outcome::Verified && !self.verify_object(&path, &data, valid_from).await? {
+        if outcome == Outcome::Verified && !self.verify(&path, seg_size, local, valid_from).await? {
             bail!("{path} vanished while being verified");
         }
         self.sync_local(&path).await?;
         Ok(outcome)
+    }
+
+    /// Whether an object is stored at `path` (a HEAD request).
+    async fn is_stored(&self, path: &ObjPath) -> anyhow::Result<bool> {
+        match self.store.head(path).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("looking up {path}")),
+        }
     }
 
     fn partial_object(
@@ -358,11 +407,16 @@ impl RemoteStorage {
     ) -> anyhow::Result<Outcome> {
         let segno = upto.segment_number(seg_size);
         let path = self.partial_object(ttid, segno, seg_size, term, upto);
-        let outcome = self.create_once(&path, &data).await?;
+        let outcome = if self.is_stored(&path).await? {
+            Outcome::Verified
+        } else {
+            self.create_once(&path, &data).await?
+        };
         // Removed since the create found it: only a node holding more of this WAL in the store
         // (a longer partial object, or the complete segment) removes one, so it is stored;
         // creating it again would bring back a superseded object.
-        if outcome == Outcome::Verified && !self.verify_object(&path, &data, valid_from).await? {
+        let size = data.len() as u64;
+        if outcome == Outcome::Verified && !self.verify(&path, size, &data, valid_from).await? {
             return Ok(Outcome::Verified);
         }
         self.sync_local(&path).await?;
@@ -398,14 +452,15 @@ impl RemoteStorage {
         }
     }
 
-    /// Compares the object at `path` with `local` from byte `valid_from` on, chunk by chunk as
-    /// it streams in, holding no copy of it: `Ok(false)` if it is not stored, an error if it
-    /// differs (read again whole then, for [`verify_stored`]'s error naming both copies'
-    /// checksums).
-    async fn verify_object(
+    /// Compares the object at `path` with `size` bytes of `local` from byte `valid_from` on, as
+    /// the object streams in, reading `local` [`VERIFY_BLOCK`] at a time into one buffer (no
+    /// copy is held whole): `Ok(false)` if it is not stored. A difference reads both again
+    /// whole, for [`verify_stored`]'s error naming both copies' checksums.
+    async fn verify(
         &self,
         path: &ObjPath,
-        local: &[u8],
+        size: u64,
+        local: &impl LocalSegment,
         valid_from: usize,
     ) -> anyhow::Result<bool> {
         let got = match self.store.get(path).await {
@@ -413,24 +468,39 @@ impl RemoteStorage {
             Err(object_store::Error::NotFound { .. }) => return Ok(false),
             Err(e) => return Err(e).with_context(|| format!("reading {path}")),
         };
-        let mut same = got.meta.size == local.len() as u64;
-        let mut off = 0;
+        let mut same = got.meta.size == size;
+        // `block` holds `local`'s bytes from `block_at`; `off` is the stream's position.
+        let (mut block, mut block_at, mut off) = (Vec::new(), 0, 0);
         let mut chunks = got.into_stream();
         while same && let Some(chunk) = chunks.next().await {
             let chunk = chunk.with_context(|| format!("reading {path}"))?;
-            let end = off + chunk.len();
-            same = end <= local.len() && {
-                let from = valid_from.clamp(off, end);
-                chunk[from - off..] == local[from..end]
-            };
-            off = end;
+            let mut rest = &chunk[..];
+            while same && !rest.is_empty() {
+                if off >= size {
+                    same = false;
+                    break;
+                }
+                if off >= block_at + block.len() as u64 {
+                    let mut buf = std::mem::take(&mut block);
+                    buf.resize(VERIFY_BLOCK.min(size - off) as usize, 0);
+                    block = local.read_at(off, buf).await?;
+                    block_at = off;
+                }
+                let at = (off - block_at) as usize;
+                let take = rest.len().min(block.len() - at);
+                let skip = ((valid_from as u64).clamp(off, off + take as u64) - off) as usize;
+                same = rest[skip..take] == block[at + skip..at + take];
+                rest = &rest[take..];
+                off += take as u64;
+            }
         }
-        if same && off == local.len() {
+        if same && off == size {
             return Ok(true);
         }
         drop(chunks);
+        let whole = local.read_at(0, vec![0; size as usize]).await?;
         match self.read_object(path).await? {
-            Some(stored) => verify_stored(path, &stored, local, valid_from).map(|()| true),
+            Some(stored) => verify_stored(path, &stored, &whole, valid_from).map(|()| true),
             None => Ok(false),
         }
     }
@@ -458,18 +528,7 @@ impl RemoteStorage {
     /// Stores `data` at `path` unless an object is there already (conditional create):
     /// [`Outcome::Uploaded`] if this call stored it, [`Outcome::Verified`] (still to be
     /// checked by the caller) if it was there.
-    ///
-    /// It looks first (a HEAD request): a conditional create of a stored object still sends the
-    /// whole body (`object_store`'s file store writes it to a staging file before the link
-    /// fails, and S3 takes it in before answering 412), and every node but the first finds the
-    /// object stored. The create stays conditional for a node that looked before another
-    /// stored it.
     async fn create_once(&self, path: &ObjPath, data: &Bytes) -> anyhow::Result<Outcome> {
-        match self.store.head(path).await {
-            Ok(_) => return Ok(Outcome::Verified),
-            Err(object_store::Error::NotFound { .. }) => {}
-            Err(e) => return Err(e).with_context(|| format!("looking up {path}")),
-        }
         let opts = PutOptions {
             mode: PutMode::Create,
             ..PutOptions::default()

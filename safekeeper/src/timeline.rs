@@ -710,12 +710,6 @@ impl Timeline {
         }
     }
 
-    /// The whole local segment file `segno` (complete, else `.partial`: a complete segment
-    /// keeps that name while the WAL ends exactly at its end), for backup. Blocking.
-    pub fn read_segment_file(&self, segno: u64) -> storage::Result<Vec<u8>> {
-        self.read_segment_prefix(segno, self.seg_size as usize)
-    }
-
     /// The first `len` bytes of segment `segno` (a partial segment's committed part). Blocking.
     pub fn read_segment_prefix(&self, segno: u64, len: usize) -> storage::Result<Vec<u8>> {
         crate::blocking::assert_may_block("reading a segment file");
@@ -723,6 +717,18 @@ impl Timeline {
         self.reader
             .read_into(Lsn(segno * self.seg_size), &mut buf)?;
         Ok(buf)
+    }
+
+    /// Segment `segno`'s bytes from `offset` on, as many as `buf` holds. Blocking.
+    pub fn read_segment_range(
+        &self,
+        segno: u64,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> storage::Result<()> {
+        crate::blocking::assert_may_block("reading a segment file");
+        self.reader
+            .read_into(Lsn(segno * self.seg_size + offset), buf)
     }
 
     /// Whether the segment holding `lsn` exists here.

@@ -25,7 +25,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics;
 pub use crate::remote_storage::{
-    BudgetPermit, DEFAULT_REMOTE_READ_BUDGET, Outcome, REMOTE_READ_RANGE, RemoteStorage,
+    BudgetPermit, DEFAULT_REMOTE_READ_BUDGET, LocalSegment, Outcome, REMOTE_READ_RANGE,
+    RemoteStorage,
 };
 use crate::timeline::Timeline;
 use crate::wal_store::segment_path;
@@ -34,6 +35,27 @@ use pg_wal::format::{parse_xlog_file_name, xlog_file_name};
 
 #[cfg(test)]
 use crate::manager::{FIRST_BACKOFF, MAX_BACKOFF};
+
+/// A timeline's local segment file, read for backup in blocking tasks.
+struct SegmentFile {
+    tl: Arc<Timeline>,
+    segno: u64,
+}
+
+impl LocalSegment for SegmentFile {
+    async fn read_at(&self, offset: u64, mut buf: Vec<u8>) -> anyhow::Result<Vec<u8>> {
+        let (tl, segno) = (self.tl.clone(), self.segno);
+        crate::blocking::spawn(move || tl.read_segment_range(segno, offset, &mut buf).map(|()| buf))
+            .await
+            .context("segment read task")?
+            .with_context(|| {
+                format!(
+                    "reading {} for backup",
+                    segment_path(&self.tl.dir, segno, self.tl.seg_size, false).display()
+                )
+            })
+    }
+}
 
 /// Node-wide backup settings.
 #[derive(Clone)]
@@ -143,20 +165,14 @@ impl Backup {
         let attempt = async {
             let _permit = self.permits.acquire().await.context("backup semaphore")?;
             let started = Instant::now();
-            let t = tl.clone();
-            let data = crate::blocking::spawn(move || t.read_segment_file(segno))
-                .await
-                .context("segment read task")?
-                .with_context(|| {
-                    format!(
-                        "reading {} for backup",
-                        segment_path(&tl.dir, segno, tl.seg_size, false).display()
-                    )
-                })?;
-            let len = data.len() as u64;
+            let len = tl.seg_size;
+            let file = SegmentFile {
+                tl: tl.clone(),
+                segno,
+            };
             let outcome = self
                 .storage
-                .backup_segment(&tl.ttid, segno, Bytes::from(data), valid_from, known)
+                .backup_segment(&tl.ttid, segno, len, &file, valid_from, known)
                 .await?;
             metrics::BACKUP_SECONDS.observe(started.elapsed().as_secs_f64());
             match outcome {

@@ -35,17 +35,17 @@ async fn a_segment_is_stored_once_and_a_second_node_verifies_instead_of_overwrit
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (store(dir.path()), store(dir.path()));
     let data = Bytes::from(vec![7u8; SEG as usize]);
-    let out = a.backup_segment(&ttid(), 3, data.clone(), 0, false).await;
+    let out = a.backup_segment(&ttid(), 3, SEG, &data, 0, false).await;
     assert_eq!(out.unwrap(), Outcome::Uploaded);
     assert_eq!(std::fs::read(object_file(dir.path(), 3)).unwrap(), data);
     // The other node loses the conditional create and verifies the stored object.
-    let out = b.backup_segment(&ttid(), 3, data.clone(), 0, false).await;
+    let out = b.backup_segment(&ttid(), 3, SEG, &data, 0, false).await;
     assert_eq!(out.unwrap(), Outcome::Verified);
     // A different local copy is an error and the stored object is left as it was.
     let mut other = vec![7u8; SEG as usize];
     other[SEG as usize - 1] = 8;
     let err = b
-        .backup_segment(&ttid(), 3, Bytes::from(other.clone()), 0, false)
+        .backup_segment(&ttid(), 3, SEG, &Bytes::from(other.clone()), 0, false)
         .await
         .unwrap_err();
     assert!(format!("{err:#}").contains("differs"), "{err:#}");
@@ -54,11 +54,15 @@ async fn a_segment_is_stored_once_and_a_second_node_verifies_instead_of_overwrit
     let mut head_differs = data.to_vec();
     head_differs[0] = 1;
     let out = b
-        .backup_segment(&ttid(), 3, Bytes::from(head_differs), 1, true)
+        .backup_segment(&ttid(), 3, SEG, &Bytes::from(head_differs), 1, true)
         .await;
     assert_eq!(out.unwrap(), Outcome::Verified);
     let short = Bytes::from(vec![7u8; SEG as usize / 2]);
-    assert!(b.backup_segment(&ttid(), 3, short, 0, true).await.is_err());
+    assert!(
+        b.backup_segment(&ttid(), 3, SEG, &short, 0, true)
+            .await
+            .is_err()
+    );
     assert_eq!(a.list_segments(&ttid(), SEG).await.unwrap(), vec![(3, SEG)]);
     assert_eq!(
         a.read_segment(&ttid(), 3, SEG).await.unwrap().unwrap(),
@@ -67,33 +71,74 @@ async fn a_segment_is_stored_once_and_a_second_node_verifies_instead_of_overwrit
     assert!(a.read_segment(&ttid(), 4, SEG).await.unwrap().is_none());
 }
 
-/// Verification compares the stored object as it streams in, chunk by chunk: it skips exactly
-/// the bytes before the node's WAL start (`valid_from`) wherever that falls among the chunks,
-/// and a difference anywhere from it on is an error naming both copies' checksums.
+/// Verification compares the stored object as it streams in, against the local copy read a
+/// block at a time: it skips exactly the bytes before the node's WAL start (`valid_from`)
+/// wherever that falls among the stream's chunks and the local blocks, and a difference
+/// anywhere from it on is an error naming both copies' checksums. The file store streams 8 KiB
+/// chunks (within a block); the in-memory one a single chunk over two blocks.
 #[tokio::test]
 async fn verification_compares_exactly_the_bytes_from_the_nodes_wal_start() {
     let dir = tempfile::tempdir().unwrap();
-    let a = store(dir.path());
+    let files = object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap();
+    verifies_from_wal_start(&store(dir.path()), &files, SEG).await;
+    let memory = Arc::new(object_store::memory::InMemory::new());
+    let remote = RemoteStorage::with_store(memory.clone(), "memory://");
+    let block = crate::remote_storage::VERIFY_BLOCK;
+    verifies_from_wal_start(&remote, &*memory, 2 * block).await;
+}
+
+/// The checks above on `store`, whose objects `raw` writes directly, with segments of `seg`.
+async fn verifies_from_wal_start(
+    store: &RemoteStorage,
+    raw: &dyn object_store::ObjectStore,
+    seg: u64,
+) {
     let t = ttid();
-    let data: Vec<u8> = (0..SEG).map(|i| (i * 7 % 251) as u8).collect();
-    let out = a.backup_segment(&t, 3, Bytes::from(data.clone()), 0, false);
-    assert_eq!(out.await.unwrap(), Outcome::Uploaded);
-    for from in [1, 4095, 4096, 8191, 8192, 8193, 65537, SEG as usize - 1] {
+    let data: Vec<u8> = (0..seg).map(|i| (i * 7 % 251) as u8).collect();
+    let copy = Bytes::from(data.clone());
+    let out = store.backup_segment(&t, 3, seg, &copy, 0, false).await;
+    assert_eq!(out.unwrap(), Outcome::Uploaded);
+    let block = crate::remote_storage::VERIFY_BLOCK as usize;
+    for from in [
+        1,
+        4095,
+        4096,
+        8193,
+        65537,
+        block - 1,
+        block,
+        block + 1,
+        seg as usize - 1,
+    ] {
+        if from >= seg as usize {
+            continue;
+        }
         let mut before = data.clone();
         before[from - 1] ^= 0xff;
-        let out = a.backup_segment(&t, 3, Bytes::from(before), from, true);
-        assert_eq!(out.await.unwrap(), Outcome::Verified, "from {from}");
+        let before = Bytes::from(before);
+        let out = store.backup_segment(&t, 3, seg, &before, from, true).await;
+        assert_eq!(out.unwrap(), Outcome::Verified, "from {from}");
         let mut at = data.clone();
         at[from] ^= 0xff;
-        let out = a.backup_segment(&t, 3, Bytes::from(at), from, true);
-        let err = format!("{:#}", out.await.unwrap_err());
+        let at = Bytes::from(at);
+        let out = store.backup_segment(&t, 3, seg, &at, from, true).await;
+        let err = format!("{:#}", out.unwrap_err());
         assert!(
             err.contains("differs") && err.contains("CRC-32C"),
             "from {from}: {err}"
         );
     }
-    let out = a.backup_segment(&t, 3, Bytes::from(data[1..].to_vec()), 0, true);
-    let err = format!("{:#}", out.await.unwrap_err());
+    // A stored object of another size.
+    let path = object_store::path::Path::from(format!(
+        "{}/{}/{}",
+        t.tenant_id,
+        t.timeline_id,
+        xlog_file_name(1, 3, seg)
+    ));
+    let short = Bytes::from(data[1..].to_vec());
+    raw.put(&path, short.into()).await.unwrap();
+    let out = store.backup_segment(&t, 3, seg, &copy, 0, true).await;
+    let err = format!("{:#}", out.unwrap_err());
     assert!(err.contains("bytes, the local segment has"), "{err}");
 }
 
@@ -194,15 +239,15 @@ async fn a_node_that_finds_the_object_stored_sends_none_of_it() {
         RemoteStorage::with_store(counted.clone(), &url),
     );
     let data = Bytes::from(vec![7u8; SEG as usize]);
-    let out = a.backup_segment(&ttid(), 3, data.clone(), 0, false).await;
+    let out = a.backup_segment(&ttid(), 3, SEG, &data, 0, false).await;
     assert_eq!((out.unwrap(), puts()), (Outcome::Uploaded, 1));
-    let out = b.backup_segment(&ttid(), 3, data.clone(), 0, false).await;
+    let out = b.backup_segment(&ttid(), 3, SEG, &data, 0, false).await;
     assert_eq!((out.unwrap(), puts()), (Outcome::Verified, 1));
     // Still compared: a different copy is an error, and nothing is written either.
     let mut other = data.to_vec();
     other[5] = 8;
     let err = b
-        .backup_segment(&ttid(), 3, Bytes::from(other), 0, false)
+        .backup_segment(&ttid(), 3, SEG, &Bytes::from(other), 0, false)
         .await
         .unwrap_err();
     assert!(format!("{err:#}").contains("differs"), "{err:#}");
