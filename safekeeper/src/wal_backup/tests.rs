@@ -38,7 +38,7 @@ async fn a_segment_is_stored_once_and_a_second_node_verifies_instead_of_overwrit
     let out = a.backup_segment(&ttid(), 3, SEG, &data, 0, false).await;
     assert_eq!(out.unwrap(), Outcome::Uploaded);
     assert_eq!(std::fs::read(object_file(dir.path(), 3)).unwrap(), data);
-    // The other node loses the conditional create and verifies the stored object.
+    // The other node finds it stored and verifies it.
     let out = b.backup_segment(&ttid(), 3, SEG, &data, 0, false).await;
     assert_eq!(out.unwrap(), Outcome::Verified);
     // A different local copy is an error and the stored object is left as it was.
@@ -80,10 +80,10 @@ async fn a_segment_is_stored_once_and_a_second_node_verifies_instead_of_overwrit
 async fn verification_compares_exactly_the_bytes_from_the_nodes_wal_start() {
     let dir = tempfile::tempdir().unwrap();
     let files = object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap();
-    verifies_from_wal_start(&store(dir.path()), &files, SEG).await;
+    let block = crate::remote_storage::VERIFY_BLOCK;
+    verifies_from_wal_start(&store(dir.path()), &files, 2 * block).await;
     let memory = Arc::new(object_store::memory::InMemory::new());
     let remote = RemoteStorage::with_store(memory.clone(), "memory://");
-    let block = crate::remote_storage::VERIFY_BLOCK;
     verifies_from_wal_start(&remote, &*memory, 2 * block).await;
 }
 
@@ -143,11 +143,12 @@ async fn verifies_from_wal_start(
 }
 
 /// A real `file://` store that counts the writes (puts, conditional creates included) sent
-/// through it.
+/// through it, and the reads (GETs; a HEAD is not one).
 #[derive(Debug)]
 struct CountedPuts {
     inner: object_store::local::LocalFileSystem,
     puts: std::sync::atomic::AtomicUsize,
+    gets: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Display for CountedPuts {
@@ -182,6 +183,9 @@ impl object_store::ObjectStore for CountedPuts {
         location: &object_store::path::Path,
         options: object_store::GetOptions,
     ) -> object_store::Result<object_store::GetResult> {
+        if !options.head {
+            self.gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         self.inner.get_opts(location, options).await
     }
 
@@ -231,8 +235,10 @@ async fn a_node_that_finds_the_object_stored_sends_none_of_it() {
     let counted = Arc::new(CountedPuts {
         inner: object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap(),
         puts: Default::default(),
+        gets: Default::default(),
     });
     let puts = || counted.puts.load(std::sync::atomic::Ordering::Relaxed);
+    let gets = || counted.gets.load(std::sync::atomic::Ordering::Relaxed);
     let url = format!("file://{}", dir.path().display());
     let (a, b) = (
         RemoteStorage::with_store(counted.clone(), &url),
@@ -243,6 +249,8 @@ async fn a_node_that_finds_the_object_stored_sends_none_of_it() {
     assert_eq!((out.unwrap(), puts()), (Outcome::Uploaded, 1));
     let out = b.backup_segment(&ttid(), 3, SEG, &data, 0, false).await;
     assert_eq!((out.unwrap(), puts()), (Outcome::Verified, 1));
+    // One read of the object: it streamed in and matched (a difference reads it again whole).
+    assert_eq!(gets(), 1);
     // Still compared: a different copy is an error, and nothing is written either.
     let mut other = data.to_vec();
     other[5] = 8;
@@ -252,7 +260,7 @@ async fn a_node_that_finds_the_object_stored_sends_none_of_it() {
         .unwrap_err();
     assert!(format!("{err:#}").contains("differs"), "{err:#}");
     assert_eq!(std::fs::read(object_file(dir.path(), 3)).unwrap(), data);
-    assert_eq!(puts(), 1);
+    assert_eq!((puts(), gets()), (1, 3));
 
     let upto = Lsn(4 * SEG + 4096);
     let part = data.slice(..4096);
