@@ -69,9 +69,25 @@ pub trait LocalSegment: Sync {
         offset: u64,
         buf: Vec<u8>,
     ) -> impl std::future::Future<Output = anyhow::Result<Vec<u8>>> + Send;
+
+    /// The copy's first `size` bytes, whole (for an upload, or an error naming checksums).
+    fn read_whole(
+        &self,
+        size: u64,
+    ) -> impl std::future::Future<Output = anyhow::Result<Bytes>> + Send {
+        async move { Ok(Bytes::from(self.read_at(0, vec![0; size as usize]).await?)) }
+    }
 }
 
 impl LocalSegment for Bytes {
+    /// Shares the bytes instead of copying them.
+    async fn read_whole(&self, size: u64) -> anyhow::Result<Bytes> {
+        let to = usize::try_from(size).unwrap_or(usize::MAX);
+        self.get(..to)
+            .map(|_| self.slice(..to))
+            .with_context(|| format!("reading {size} bytes of a {}-byte copy", self.len()))
+    }
+
     async fn read_at(&self, offset: u64, mut buf: Vec<u8>) -> anyhow::Result<Vec<u8>> {
         let from = usize::try_from(offset).unwrap_or(usize::MAX);
         let bytes = from
@@ -356,17 +372,33 @@ impl RemoteStorage {
         known_stored: bool,
     ) -> anyhow::Result<Outcome> {
         let path = self.object(ttid, segno, seg_size);
-        let outcome = if known_stored || self.is_stored(&path).await? {
+        self.store_or_verify(&path, seg_size, local, valid_from, known_stored)
+            .await?
+            .with_context(|| format!("{path} vanished while being verified"))
+    }
+
+    /// Stores `size` bytes of `local` at `path` unless an object is there (`known_stored`, or a
+    /// HEAD finds it), which must then equal `local` from `valid_from` on; synced once stored.
+    /// `None` if the object vanished while being verified.
+    async fn store_or_verify(
+        &self,
+        path: &ObjPath,
+        size: u64,
+        local: &impl LocalSegment,
+        valid_from: usize,
+        known_stored: bool,
+    ) -> anyhow::Result<Option<Outcome>> {
+        let outcome = if known_stored || self.is_stored(path).await? {
             Outcome::Verified
         } else {
-            let data = local.read_at(0, vec![0; seg_size as usize]).await?;
-            self.create_once(&path, &Bytes::from(data)).await?
+            self.create_once(path, &local.read_whole(size).await?)
+                .await?
         };
-        if outcome == Outcome::Verified && !self.verify(&path, seg_size, local, valid_from).await? {
-            bail!("{path} vanished while being verified");
+        if outcome == Outcome::Verified && !self.verify(path, size, local, valid_from).await? {
+            return Ok(None);
         }
-        self.sync_local(&path).await?;
-        Ok(outcome)
+        self.sync_local(path).await?;
+        Ok(Some(outcome))
     }
 
     /// Whether an object is stored at `path` (a HEAD request).
@@ -407,20 +439,14 @@ impl RemoteStorage {
     ) -> anyhow::Result<Outcome> {
         let segno = upto.segment_number(seg_size);
         let path = self.partial_object(ttid, segno, seg_size, term, upto);
-        let outcome = if self.is_stored(&path).await? {
-            Outcome::Verified
-        } else {
-            self.create_once(&path, &data).await?
-        };
-        // Removed since the create found it: only a node holding more of this WAL in the store
-        // (a longer partial object, or the complete segment) removes one, so it is stored;
-        // creating it again would bring back a superseded object.
         let size = data.len() as u64;
-        if outcome == Outcome::Verified && !self.verify(&path, size, &data, valid_from).await? {
-            return Ok(Outcome::Verified);
-        }
-        self.sync_local(&path).await?;
-        Ok(outcome)
+        let outcome = self
+            .store_or_verify(&path, size, &data, valid_from, false)
+            .await?;
+        // Vanished while being verified: only a node holding more of this WAL in the store (a
+        // longer partial object, or the complete segment) removes one, so it is stored;
+        // creating it again would bring back a superseded object.
+        Ok(outcome.unwrap_or(Outcome::Verified))
     }
 
     /// The partial objects stored for `ttid`: `(segment, term, end LSN, object)`, by end LSN.
@@ -501,7 +527,7 @@ impl RemoteStorage {
             return Ok(true);
         }
         drop(chunks);
-        let whole = local.read_at(0, vec![0; size as usize]).await?;
+        let whole = local.read_whole(size).await?;
         match self.read_object(path).await? {
             Some(stored) => verify_stored(path, &stored, &whole, valid_from).map(|()| true),
             None => Ok(false),

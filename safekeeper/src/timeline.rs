@@ -712,10 +712,8 @@ impl Timeline {
 
     /// The first `len` bytes of segment `segno` (a partial segment's committed part). Blocking.
     pub fn read_segment_prefix(&self, segno: u64, len: usize) -> storage::Result<Vec<u8>> {
-        crate::blocking::assert_may_block("reading a segment file");
         let mut buf = vec![0u8; len];
-        self.reader
-            .read_into(Lsn(segno * self.seg_size), &mut buf)?;
+        self.read_segment_range(segno, 0, &mut buf)?;
         Ok(buf)
     }
 
